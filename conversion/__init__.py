@@ -1,0 +1,1 @@
+"""Checkpoint conversion to AttnRes (installed as `attnres.conversion`)."""

@@ -1,0 +1,1 @@
+"""vLLM serving for AttnRes (installed as `attnres.serving`)."""

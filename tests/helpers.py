@@ -1,0 +1,49 @@
+"""Shared builders for tests: tiny configs and models made in code (nothing is downloaded)."""
+
+import torch
+
+from modeling_attnres import AttnResConfig, AttnResForCausalLM
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    attn_res_block_size=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(**overrides) -> AttnResConfig:
+    """A fresh tiny config per call (`_from_config` mutates the config it is given)."""
+    return AttnResConfig(**{**TINY, **overrides})
+
+
+def randomize_depth_parameters(model: torch.nn.Module, seed: int = 0, scale: float = 1.0) -> None:
+    """Give every pseudo-query and depth key-norm gain a random non-zero value (they start at 0 / 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_proj" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+            elif "_res_norm" in name or name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+
+
+def tiny_model(seed: int = 0, dtype=torch.float32, randomize: bool = True, **overrides) -> AttnResForCausalLM:
+    """A tiny AttnRes LM with random weights, random depth parameters and eager attention by default."""
+    torch.manual_seed(seed)
+    overrides.setdefault("attn_implementation", "eager")
+    attn_impl = overrides.pop("attn_implementation")
+    config = tiny_config(**overrides)
+    config._attn_implementation = attn_impl
+    model = AttnResForCausalLM(config).to(dtype).eval()
+    if randomize:
+        randomize_depth_parameters(model, seed)
+    return model
