@@ -106,8 +106,12 @@ def mix_site(stored: Tensor, partial: Tensor, query: Tensor, eps: float,
     """One site: mix `stored [n, *tokens, d]` (n may be 0) and `partial [*tokens, d]` with the folded
     `query [d]`. Returns the mix in the partial's dtype and, if `keep_weights`, the weights
     `[*tokens, n + 1]` (the partial's weight last)."""
-    if stored.shape[0] == 0:                                           # the first site: identity
-        return partial, (acc(partial).new_ones(*partial.shape[:-1], 1) if keep_weights else None)
+    if stored.shape[0] == 0:
+        # One source: the weight is exactly 1, but computing it keeps the query in the graph, so it
+        # gets a zero gradient rather than none (DDP without find_unused_parameters needs that).
+        p = acc(partial)
+        weight = torch.softmax(((p @ query.to(p.dtype)) * inverse_rms(p, eps))[None], dim=0)[0]
+        return (weight[..., None] * p).to(partial.dtype), (weight[..., None] if keep_weights else None)
     group = score_stored(stored, query[None], eps, keep_scores=keep_weights)
     mixed, s_p = merge_partial(group.out[0], group.lse[0], partial, query, eps)
     if not keep_weights:

@@ -1,0 +1,79 @@
+"""AttnResConfig: defaults, round trips and clear errors at construction and load."""
+
+import json
+
+import pytest
+from transformers import AutoConfig
+
+from modeling_attnres import AttnResConfig
+from tests.helpers import tiny_config
+
+
+def test_defaults_and_derived_fields():
+    config = AttnResConfig()
+    assert config.model_type == "attnres"
+    assert config.attn_res_mode == "block" and config.attn_res_block_size == 2 and config.qk_norm is False
+    assert config.head_dim == config.hidden_size // config.num_attention_heads
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert tiny_config(num_hidden_layers=5, attn_res_block_size=2).num_depth_sources == 4   # emb, 2 blocks, partial
+    assert tiny_config(num_hidden_layers=5, attn_res_mode="full").num_depth_sources == 11
+
+
+def test_save_load_round_trip(tmp_path):
+    config = tiny_config(attn_res_mode="full", qk_norm=True, attention_bias=True, tie_word_embeddings=True)
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded, AttnResConfig)
+    drop = lambda d: {k: v for k, v in d.items() if k != "_name_or_path"}
+    assert drop(loaded.to_dict()) == drop(config.to_dict())
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (dict(attn_res_mode="blocks"), "attn_res_mode must be one of ('block', 'full'), got 'blocks'"),
+        (dict(attn_res_block_size=0), "attn_res_block_size is the number of transformer layers per block and must be >= 1, got 0"),
+        (dict(attn_res_block_size=-2), "got -2"),
+        (dict(num_attention_heads=4, num_key_value_heads=3), "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer, got 0"),
+    ],
+)
+def test_invalid_values_raise_at_construction(overrides, fragment):
+    with pytest.raises(Exception) as err:      # huggingface_hub's StrictDataclassClassValidationError
+        tiny_config(**overrides)
+    assert fragment in str(err.value)
+
+
+def test_wrong_type_raises_at_construction():
+    with pytest.raises(Exception) as err:
+        tiny_config(attn_res_block_size="2")
+    assert "attn_res_block_size" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("attn_res_block_size", "two", "attn_res_block_size"),
+        ("attn_res_mode", "sparse", "attn_res_mode must be one of"),
+        ("attn_res_block_size", 0, "must be >= 1"),
+        ("num_key_value_heads", 3, "multiple of num_key_value_heads (3)"),
+    ],
+)
+def test_invalid_config_json_raises_at_load(tmp_path, field, value, fragment):
+    tiny_config().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(Exception) as err:
+        AutoConfig.from_pretrained(tmp_path)
+    assert fragment in str(err.value)
+
+
+def test_invalid_assignment_is_caught_on_save(tmp_path):
+    config = tiny_config()
+    with pytest.raises(Exception) as err:
+        config.attn_res_mode = "diagonal"
+        config.save_pretrained(tmp_path)
+    assert "attn_res_mode" in str(err.value)
+    assert not (tmp_path / "config.json").exists()

@@ -1,0 +1,270 @@
+"""transformers behaviour of AttnResForCausalLM: contract, Llama parity, caching, padding, backends."""
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from modeling_attnres import AttnResForCausalLM, AttnResModel
+from tests.helpers import tiny_config, tiny_model
+
+
+def spec_parameter_names(num_layers, attention_bias=False, qk_norm=False, tied=False):
+    """The parameter-name contract of shared/attnres-spec.md, spelled out independently."""
+    names = ["model.embed_tokens.weight", "model.output_attn_res_proj.weight",
+             "model.output_attn_res_norm.weight", "model.norm.weight"]
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        for proj in "qkvo":
+            names.append(f"{p}.self_attn.{proj}_proj.weight")
+            if attention_bias:
+                names.append(f"{p}.self_attn.{proj}_proj.bias")
+        if qk_norm:
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        names += [f"{p}.mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        names += [f"{p}.self_attention_res_proj.weight", f"{p}.self_attention_res_norm.weight",
+                  f"{p}.mlp_res_proj.weight", f"{p}.mlp_res_norm.weight"]
+    if not tied:
+        names.append("lm_head.weight")
+    return sorted(names)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(attention_bias=True, qk_norm=True), dict(tie_word_embeddings=True)])
+def test_parameter_names_are_the_spec_contract(tmp_path, overrides):
+    model = tiny_model(**overrides)
+    model.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        saved = sorted(f.keys())
+    expected = spec_parameter_names(model.config.num_hidden_layers, overrides.get("attention_bias", False),
+                                    overrides.get("qk_norm", False), overrides.get("tie_word_embeddings", False))
+    assert saved == expected
+    d = model.config.hidden_size
+    sd = model.state_dict()
+    assert sd["model.layers.0.self_attention_res_proj.weight"].shape == (1, d)
+    assert sd["model.output_attn_res_norm.weight"].shape == (d,)
+
+
+def test_fresh_model_has_zero_queries_and_unit_gains():
+    model = AttnResForCausalLM(tiny_config())
+    for name, param in model.named_parameters():
+        if "_res_proj" in name:
+            assert torch.count_nonzero(param) == 0, name
+        if "_res_norm" in name:
+            assert torch.all(param == 1), name
+
+
+def llama_twin(eps):
+    """An AttnRes model with zero queries and a LlamaForCausalLM with the same weights."""
+    config = tiny_config(rms_norm_eps=eps, num_hidden_layers=4, attn_res_block_size=1)
+    torch.manual_seed(0)
+    attnres = AttnResForCausalLM(config).double().eval()
+    llama_cfg = LlamaConfig(**{k: v for k, v in config.to_dict().items()
+                               if k not in ("qk_norm", "attn_res_mode", "attn_res_block_size", "model_type",
+                                            "architectures", "auto_map")})
+    llama = LlamaForCausalLM(llama_cfg).double().eval()
+    missing, unexpected = llama.load_state_dict(attnres.state_dict(), strict=False)
+    assert not missing and all("_res_" in k for k in unexpected)
+    return attnres, llama
+
+
+def test_zero_queries_equal_llama_when_eps_is_zero():
+    """With uniform mixing, AttnRes is the standard residual stream up to RMSNorm's eps (spec).
+
+    Llama's RMSNorm computes in float32 even for float64 models, so equality holds to float32
+    rounding; the control with a large eps shows the comparison does see the eps effect."""
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    attnres, llama = llama_twin(eps=0.0)
+    with torch.no_grad():
+        torch.testing.assert_close(attnres(ids).logits, llama(ids).logits, rtol=1e-6, atol=1e-6)
+    attnres, llama = llama_twin(eps=1e-3)
+    with torch.no_grad():
+        assert (attnres(ids).logits - llama(ids).logits).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("overrides", [dict(attn_res_block_size=2), dict(attn_res_mode="full", num_hidden_layers=3),
+                                       dict(attn_res_block_size=3, qk_norm=True)])
+def test_cached_greedy_generation_equals_full_recomputation(overrides):
+    model = tiny_model(seed=1, **overrides)
+    ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        seq = ids
+        for _ in range(12):
+            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(cached, seq)
+
+
+def test_decode_step_logits_equal_full_forward():
+    model = tiny_model(seed=2, attn_res_block_size=2)
+    ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        prefix = model(ids[:, :7], past_key_values=cache, use_cache=True).logits
+        steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(7, 10)]
+    torch.testing.assert_close(torch.cat([prefix, *steps], 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_holds_only_attention_keys_and_values():
+    """Depth attention is per token: the cache holds exactly Llama's K/V, nothing of the block bank."""
+    model = tiny_model(seed=3, attn_res_block_size=1)
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 5))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    cache = out.past_key_values
+    assert len(cache.layers) == cfg.num_hidden_layers
+    for layer in cache.layers:
+        assert layer.keys.shape == (2, cfg.num_key_value_heads, 5, cfg.head_dim)
+        assert layer.values.shape == (2, cfg.num_key_value_heads, 5, cfg.head_dim)
+    # No module state either: buffers are only RoPE's, and a second call gives the same result.
+    assert {name.split(".")[-1] for name, _ in model.named_buffers()} <= {"inv_freq", "original_inv_freq"}
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, out.logits, rtol=0, atol=0)
+
+
+def test_left_padded_batch_matches_each_prompt_alone():
+    model = tiny_model(seed=4, attn_res_block_size=2)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in (3, 7, 5)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, **kwargs)
+        for i, p in enumerate(prompts):
+            alone = model.generate(p[None], **kwargs)
+            assert torch.equal(batched[i, width:], alone[0, len(p):]), f"prompt {i}"
+
+
+def test_eager_and_sdpa_agree():
+    eager = tiny_model(seed=5, attn_implementation="eager")
+    sdpa = tiny_model(seed=5, attn_implementation="sdpa")
+    ids = torch.randint(3, eager.config.vocab_size, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        a, b = eager(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[0, 3:], b[0, 3:], rtol=1e-5, atol=1e-5)
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    model = tiny_model(seed=6, attn_res_mode="full", num_hidden_layers=3, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert isinstance(loaded, AttnResForCausalLM)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert isinstance(AutoModel.from_pretrained(tmp_path), AttnResModel)
+
+
+def test_missing_depth_parameters_are_initialised_not_garbage(tmp_path):
+    """from_pretrained builds on meta and only initialises what the checkpoint lacks: check those."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(seed=7)
+    model.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in sd.items() if "_res_" not in k}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, param in loaded.named_parameters():
+        if "_res_proj" in name:
+            assert torch.count_nonzero(param) == 0, name
+        elif "_res_norm" in name:
+            assert torch.all(param == 1), name
+    rotary = loaded.model.rotary_emb
+    torch.testing.assert_close(rotary.inv_freq, model.model.rotary_emb.inv_freq)
+
+
+def test_gradients_reach_every_pseudo_query_and_norm():
+    model = tiny_model(seed=8, attn_res_mode="block", attn_res_block_size=2).train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name                    # no unused parameters (DDP-safe)
+        if "_res_" in name and not name.startswith("model.layers.0.self_attention_res_"):
+            assert torch.count_nonzero(param.grad) > 0, name
+    # The first site mixes the embedding alone: its weight is exactly 1, its gradient exactly 0.
+    assert torch.count_nonzero(model.model.layers[0].self_attention_res_proj.weight.grad) == 0
+
+
+def test_gradients_flow_from_zero_init():
+    """At initialisation (zero queries) the queries still get a gradient: training can start."""
+    model = AttnResForCausalLM(tiny_config(num_hidden_layers=3, attn_res_mode="full")).train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "_res_proj" in n}
+    assert all(g is not None for g in grads.values())
+    nonzero = {n for n, g in grads.items() if torch.count_nonzero(g) > 0}
+    assert set(grads) - nonzero == {"model.layers.0.self_attention_res_proj.weight"}   # mixes one source
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(3, 97, (2, 8))
+
+    def grads(checkpointing):
+        model = tiny_model(seed=9, attn_res_block_size=2).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_a, grads_a = grads(False)
+    loss_b, grads_b = grads(True)
+    torch.testing.assert_close(loss_a, loss_b)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_hidden_states_and_depth_attentions_outputs():
+    model = tiny_model(seed=10, num_hidden_layers=5, attn_res_block_size=2)
+    ids = torch.randint(3, model.config.vocab_size, (2, 4))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True, output_depth_attentions=True)
+    assert len(out.hidden_states) == 6
+    assert all(h.shape == (2, 4, 32) for h in out.hidden_states)
+    counts = [w.shape[-1] for w in out.depth_attentions]
+    assert counts == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]      # emb | +block 1 (layers 0-1) | +block 2 | partial
+    for w in out.depth_attentions:
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4))
+
+
+def test_static_cache_generation_with_torch_compile():
+    model = tiny_model(seed=11, attn_implementation="sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (1, 5))
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        dynamic = model.generate(ids, **kwargs)
+        compiled = model.generate(ids, cache_implementation="static", compile_config=None, **kwargs)
+        model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+        fullgraph = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(dynamic, compiled)
+    assert torch.equal(dynamic, fullgraph)
+
+
+def test_resize_token_embeddings_keeps_tied_head():
+    model = tiny_model(seed=12, tie_word_embeddings=True)
+    model.resize_token_embeddings(120)
+    assert model.lm_head.weight.shape == (120, 32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model(torch.randint(0, 120, (1, 4))).logits.shape == (1, 4, 120)
+
+
+def test_device_map_loading(tmp_path):
+    tiny_model(seed=13).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu", dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    assert model(torch.randint(3, 97, (1, 4))).logits.dtype == torch.bfloat16
