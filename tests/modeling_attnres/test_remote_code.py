@@ -1,0 +1,65 @@
+"""Hub remote code: a saved folder loads with trust_remote_code where modeling_attnres is absent."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from tests.helpers import tiny_model
+
+LOAD_WITHOUT_PACKAGE = textwrap.dedent(
+    """
+    import sys
+    sys.modules["modeling_attnres"] = None          # the package is not importable here
+    try:
+        import modeling_attnres
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("modeling_attnres is importable: the test would prove nothing")
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    path, ids_path, out_path = sys.argv[1:4]
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert type(config).__module__.startswith("transformers_modules"), type(config).__module__
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, attn_implementation="eager").eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    assert type(AutoModel.from_pretrained(path, trust_remote_code=True)).__name__ == "AttnResModel"
+    ids = torch.load(ids_path)
+    with torch.no_grad():
+        torch.save(model(ids).logits, out_path)
+    """
+)
+
+
+def test_saved_folder_carries_remote_code(tmp_path):
+    model = tiny_model(seed=20, qk_norm=True)
+    model.save_pretrained(tmp_path / "ckpt")
+    files = set(os.listdir(tmp_path / "ckpt"))
+    assert {"configuration_attnres.py", "modeling_attnres.py", "depth_attention.py"} <= files
+    auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_attnres.AttnResConfig",
+        "AutoModel": "modeling_attnres.AttnResModel",
+        "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+    }
+
+
+def test_remote_code_loads_in_a_fresh_interpreter_without_the_package(tmp_path):
+    model = tiny_model(seed=21, attn_res_mode="full", num_hidden_layers=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(3, model.config.vocab_size, (2, 5))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_PACKAGE, str(tmp_path / "ckpt"), str(tmp_path / "ids.pt"),
+         str(tmp_path / "logits.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=0)
