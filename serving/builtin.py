@@ -1,0 +1,132 @@
+"""Checkpoints made in code: a character-level tokenizer with a chat template, and tiny random AttnRes
+models written in the transformers layout (what vLLM loads). Needs torch and transformers only.
+
+`attnres-serve` serves `DEFAULT_MODEL` when no model is given. Until a trained small model ships in
+the repository, that is `BUILTIN_TINY`: a tiny random model generated on first use into a cache
+directory (`$ATTNRES_CACHE_DIR`, else `$XDG_CACHE_HOME/attnres`, else `~/.cache/attnres`). Switch
+the default by setting `DEFAULT_MODEL` to a checkpoint path.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+BUILTIN_TINY = "builtin:attnres-tiny"
+# The one constant to switch when a trained model ships (e.g. a path under the repository's models/).
+DEFAULT_MODEL = BUILTIN_TINY
+# The name the built-in model is served under (`--served-model-name`).
+BUILTIN_SERVED_NAME = "attnres-tiny"
+# Bump when the built-in checkpoint's recipe changes, so that stale caches are regenerated.
+BUILTIN_VERSION = "1"
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# vLLM's CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, ...}: 32 is the smallest.
+BUILTIN_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    attn_res_block_size=2,
+)
+
+
+def make_tokenizer():
+    """A character-level tokenizer (printable ASCII and newline) with special tokens and a chat template.
+
+    Every id decodes to plain text, so random models produce readable (if meaningless) strings.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=BUILTIN_CONFIG["max_position_embeddings"],
+    )
+
+
+def randomize_depth(model: torch.nn.Module, seed: int) -> None:
+    """Random non-zero pseudo-queries and non-unit norm gains (they start at 0 / 1: uniform mixing)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_proj" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+
+
+def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32,
+                          **config_overrides) -> Path:
+    """Write a random AttnRes checkpoint and the built-in tokenizer to `path`; returns the path.
+
+    `config_overrides` are `AttnResConfig` fields on top of `BUILTIN_CONFIG`; the vocabulary is the
+    tokenizer's.
+    """
+    from modeling_attnres import AttnResConfig, AttnResForCausalLM
+
+    tokenizer = make_tokenizer()
+    fields = {**BUILTIN_CONFIG, "vocab_size": len(tokenizer), "pad_token_id": 0, "bos_token_id": 1,
+              "eos_token_id": 2, **config_overrides}
+    torch.manual_seed(seed)
+    model = AttnResForCausalLM(AttnResConfig(**fields)).to(dtype).eval()
+    randomize_depth(model, seed)
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def cache_dir() -> Path:
+    """Where generated checkpoints live (not in the repository)."""
+    if os.environ.get("ATTNRES_CACHE_DIR"):
+        return Path(os.environ["ATTNRES_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnres"
+
+
+def ensure_builtin_model(root: str | os.PathLike | None = None) -> Path:
+    """The built-in tiny model's directory, generated on first use (atomically: temp dir, rename)."""
+    root = Path(root) if root is not None else cache_dir()
+    target = root / f"attnres-tiny-v{BUILTIN_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".attnres-tiny-", dir=root))
+    try:
+        write_tiny_checkpoint(tmp, seed=0)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").exists():                   # not just a concurrent writer
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(name: str) -> str:
+    """A model argument as vLLM takes it: `BUILTIN_TINY` becomes its generated directory."""
+    return str(ensure_builtin_model()) if name == BUILTIN_TINY else name
+
+
+__all__ = ["DEFAULT_MODEL", "BUILTIN_TINY", "BUILTIN_SERVED_NAME", "make_tokenizer", "write_tiny_checkpoint",
+           "ensure_builtin_model", "resolve_model", "cache_dir"]

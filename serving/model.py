@@ -1,0 +1,331 @@
+"""Inference-only AttnRes for vLLM, written as the diff against vLLM's own `llama.py`.
+
+Class names match the transformers model in `modeling_attnres/modeling_attnres.py` so the two read
+side by side. Attention, MLP, RMSNorm, RoPE, embeddings and the LM head are vLLM's layers (paged KV
+cache, tensor-parallel linears); `AttnResAttention` only adds Qwen3-style q/k norm when
+`config.qk_norm`. What AttnRes changes is the residual path: every sublayer reads a depth-attention
+mix over earlier blocks of the same token, computed by the project's one kernel
+(`modeling_attnres.depth_attention`).
+
+The depth history (stored blocks and the running partial) is per forward pass: vLLM hands the
+model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
+position, so nothing goes into the KV cache, and prefill, decode, chunked prefill and prefix caching
+need nothing extra. Which sites close a block is fixed at construction (a Python bool per layer),
+so the traced graph has no data-dependent branches and the number of stored blocks at each site is
+static under `torch.compile`.
+
+Pipeline parallelism is refused (the block bank would have to travel in `IntermediateTensors`).
+"""
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, make_layers, maybe_prefix
+from vllm.sequence import IntermediateTensors
+
+from modeling_attnres.configuration_attnres import AttnResConfig
+from modeling_attnres.depth_attention import fold_queries, mix_site
+
+# HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
+# `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the regexes accept the seed
+# pseudo-code's names for the attention site (`attn_res_proj` / `attn_res_norm`).
+HF_TO_VLLM = WeightsMapper(
+    orig_to_new_regex={
+        re.compile(r"(\.layers\.\d+)\.attn_res_proj\."): r"\1.self_attention_res_proj.",
+        re.compile(r"(\.layers\.\d+)\.attn_res_norm\."): r"\1.self_attention_res_norm.",
+    },
+    orig_to_new_stacked={
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".gate_proj": (".gate_up_proj", 0),
+        ".up_proj": (".gate_up_proj", 1),
+    },
+)
+# Fused vLLM parameter -> the HF names it is loaded from (to report missing checkpoint keys).
+FUSED_SOURCES = {
+    ".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+    ".gate_up_proj.": (".gate_proj.", ".up_proj."),
+}
+# Checkpoint entries that are not parameters here and are dropped silently.
+IGNORED_KEYS = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+
+
+def check_no_pipeline_parallel(vllm_config: VllmConfig) -> None:
+    """Refuse pipeline parallelism: the block bank does not travel between stages (yet)."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise NotImplementedError(
+            f"AttnResForCausalLM does not support pipeline parallelism (pipeline_parallel_size={pp}): "
+            "every depth-attention site reads all earlier blocks, which would have to travel between "
+            "stages. Use tensor parallelism (--tensor-parallel-size) instead."
+        )
+
+
+class AttnResPseudoQuery(nn.Module):
+    """The pseudo-query `w` of one depth-attention site; `weight` is `[1, d]` as in the HF Linear."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+
+
+def mix(stored: torch.Tensor, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
+    """Mix one site (stored `[n, tokens, d]`, partial `[tokens, d]`) with its folded query."""
+    query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
+    mixed, _ = mix_site(stored, partial, query, norm.variance_epsilon)
+    return mixed
+
+
+def push_block(stored: torch.Tensor, partial: torch.Tensor, closes_block: bool):
+    """At a block boundary the partial becomes a stored source and the new partial starts empty."""
+    if not closes_block:
+        return stored, partial
+    return torch.cat([stored, partial[None]]), None
+
+
+def accumulate(partial, output: torch.Tensor) -> torch.Tensor:
+    """Add a sublayer output to the running partial (which may have just been emptied)."""
+    return output if partial is None else partial + output
+
+
+class AttnResAttention(LlamaAttention):
+    """vLLM's Llama attention plus Qwen3-style per-head q/k RMSNorm when `config.qk_norm`."""
+
+    def __init__(self, config: AttnResConfig, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self.qk_norm = bool(config.qk_norm)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        by_head = x.view(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)
+        return norm(by_head).view(x.shape)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Same as `LlamaAttention.forward`, with q/k normalised per head before RoPE."""
+        if not self.qk_norm:
+            return super().forward(positions, hidden_states)
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        output, _ = self.o_proj(self.attn(q, k, v))
+        return output
+
+
+class AttnResDecoderLayer(nn.Module):
+    """A Llama decoder layer whose two sublayers read depth-attention mixes instead of the residual sum."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config: AttnResConfig = vllm_config.model_config.hf_config
+        quant_config = vllm_config.quant_config
+        layer_idx = int(prefix.rsplit(".", 1)[-1])
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = AttnResAttention(
+            config,
+            hidden_size=d,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            max_position_embeddings=config.max_position_embeddings,
+            quant_config=quant_config,
+            bias=config.attention_bias,
+            bias_o_proj=config.attention_bias,
+            cache_config=vllm_config.cache_config,
+            prefix=f"{prefix}.self_attn",
+        )
+        self.mlp = LlamaMLP(d, config.intermediate_size, config.hidden_act, quant_config=quant_config,
+                            bias=config.mlp_bias, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = RMSNorm(d, eps=eps)
+        self.self_attention_res_proj = AttnResPseudoQuery(d)
+        self.self_attention_res_norm = RMSNorm(d, eps=eps)
+        self.mlp_res_proj = AttnResPseudoQuery(d)
+        self.mlp_res_norm = RMSNorm(d, eps=eps)
+        # Site j = 2 * layer_idx (+1 for the MLP) closes a block when j % sublayers_per_block == 0.
+        spb = config.sublayers_per_block
+        self.attn_closes_block = (2 * layer_idx) % spb == 0
+        self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
+
+    def forward(self, positions: torch.Tensor, stored: torch.Tensor,
+                partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the new `(stored, partial)`; `stored` is `[n, tokens, d]`, `partial` `[tokens, d]`."""
+        h = mix(stored, partial, self.self_attention_res_proj, self.self_attention_res_norm)
+        stored, partial = push_block(stored, partial, self.attn_closes_block)
+        h = self.self_attn(positions=positions, hidden_states=self.input_layernorm(h))
+        partial = accumulate(partial, h)
+
+        h = mix(stored, partial, self.mlp_res_proj, self.mlp_res_norm)
+        stored, partial = push_block(stored, partial, self.mlp_closes_block)
+        partial = accumulate(partial, self.mlp(self.post_attention_layernorm(h)))
+        return stored, partial
+
+
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": {0: "b"},
+        "positions": {0: "b"},
+        "intermediate_tensors": {0: "b"},
+        "inputs_embeds": {0: "b"},
+    },
+)
+class AttnResModel(nn.Module):
+    """The AttnRes decoder stack: embedding, layers, the output depth-attention site and the final norm."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config: AttnResConfig = vllm_config.model_config.hf_config
+        self.config = config
+        self.quant_config = vllm_config.quant_config
+        self.vocab_size = config.vocab_size
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.embed_tokens = VocabParallelEmbedding(self.vocab_size, d, quant_config=self.quant_config)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: AttnResDecoderLayer(vllm_config=vllm_config, prefix=prefix),
+            prefix=f"{prefix}.layers",
+        )
+        self.output_attn_res_proj = AttnResPseudoQuery(d)
+        self.output_attn_res_norm = RMSNorm(d, eps=eps)
+        self.norm = RMSNorm(d, eps=eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `[tokens, d]`."""
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states `[tokens, d]` for flattened `[tokens]` inputs."""
+        partial = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        stored = partial.new_empty(0, *partial.shape)                  # [0, tokens, d]
+        for layer in self.layers:
+            stored, partial = layer(positions, stored, partial)
+        out = mix(stored, partial, self.output_attn_res_proj, self.output_attn_res_norm)
+        return self.norm(out)
+
+
+class AttnResForCausalLM(nn.Module):
+    """AttnRes with vLLM's LM head and logits processor; loads the transformers checkpoints."""
+
+    hf_to_vllm_mapper = HF_TO_VLLM
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        check_no_pipeline_parallel(vllm_config)
+        config: AttnResConfig = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      quant_config=vllm_config.quant_config,
+                                      prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size, scale=getattr(config, "logit_scale", 1.0))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `[tokens, d]`."""
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states `[tokens, d]` (see `AttnResModel.forward`)."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Logits `[tokens, vocab]` from the LM head."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a transformers AttnRes checkpoint (HF names; q/k/v and gate/up fused by name mapping).
+
+        Raises `ValueError` listing every missing and unexpected checkpoint key.
+        """
+        check = CheckpointKeys(self)
+        loader = AutoWeightsLoader(self)
+        loaded = loader.load_weights(check.filter(weights), mapper=self.hf_to_vllm_mapper)
+        check.raise_on_mismatch()
+        return loaded
+
+
+class CheckpointKeys:
+    """Tracks which checkpoint keys a model consumed, to fail with the full list of mismatches."""
+
+    def __init__(self, model: nn.Module):
+        self.params = dict(model.named_parameters())                   # tied lm_head appears once
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.expected = set(expected_checkpoint_keys(self.params))
+        self.seen: set[str] = set()
+        self.unexpected: list[str] = []
+
+    def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Yield the weights this model has parameters for; record the others as unexpected."""
+        for name, tensor in weights:
+            if IGNORED_KEYS.search(name) or (self.tied and name == "lm_head.weight"):
+                continue
+            canonical = HF_TO_VLLM.map_name(_rename_only(name))
+            if canonical is None or canonical not in self.params:
+                self.unexpected.append(name)
+                continue
+            self.seen.add(_rename_only(name))
+            yield name, tensor
+
+    def raise_on_mismatch(self) -> None:
+        """Raise `ValueError` naming every missing and unexpected key, if any."""
+        missing = sorted(self.expected - self.seen)
+        if not missing and not self.unexpected:
+            return
+        raise ValueError(
+            "The checkpoint does not match AttnResForCausalLM "
+            f"(config: {self.describe()}).\n"
+            f"Missing keys ({len(missing)}): {missing}\n"
+            f"Unexpected keys ({len(self.unexpected)}): {sorted(self.unexpected)}"
+        )
+
+    def describe(self) -> str:
+        return f"{len(self.params)} parameters, tie_word_embeddings={self.tied}"
+
+
+def _rename_only(name: str) -> str:
+    """Apply the alias renames (not the q/k/v stacking) to a checkpoint key."""
+    for pattern, new in HF_TO_VLLM.orig_to_new_regex.items():
+        name = pattern.sub(new, name)
+    return name
+
+
+def expected_checkpoint_keys(params: dict[str, nn.Parameter]) -> Iterable[str]:
+    """The HF checkpoint keys a set of vLLM parameter names is loaded from (fused ones expanded)."""
+    for name in params:
+        for fused, sources in FUSED_SOURCES.items():
+            if fused in name:
+                yield from (name.replace(fused, source) for source in sources)
+                break
+        else:
+            yield name
+
+
+__all__ = ["AttnResForCausalLM", "AttnResModel", "AttnResDecoderLayer", "check_no_pipeline_parallel"]
