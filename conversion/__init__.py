@@ -1,1 +1,11 @@
-"""Checkpoint conversion to AttnRes (installed as `attnres.conversion`)."""
+"""Checkpoint conversion to AttnRes (installed as `attnres.conversion`).
+
+`convert(src, dst, ConvertOptions(...))` is the API behind the `attnres-convert` command; the key maps
+live in `standard` (Llama, Qwen2, Qwen3, Mistral) and `seed` (other AttnRes layouts).
+"""
+
+from .convert import ConversionResult, ConvertOptions, convert
+from .errors import ConversionError
+from .hub import push_folder
+
+__all__ = ["ConversionError", "ConversionResult", "ConvertOptions", "convert", "push_folder"]

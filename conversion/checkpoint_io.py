@@ -1,0 +1,191 @@
+"""Reading source checkpoints (local or Hub) and writing the output folder atomically.
+
+Sources: transformers folders (`model.safetensors`, sharded with `model.safetensors.index.json`, or
+`pytorch_model.bin`), and plain PyTorch state-dict files (`.pt`/`.bin`/`.pth`). Safetensors files
+are opened lazily, one tensor at a time. Output goes to a hidden sibling of DST that is renamed into
+place at the very end, so an error or an interrupt never leaves a half-written checkpoint at DST.
+"""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .errors import ConversionError, listing
+
+SAFE_INDEX = "model.safetensors.index.json"
+STATE_DICT_SUFFIXES = (".pt", ".bin", ".pth")
+# Files the converter writes itself, or that describe the source weights, are not carried over.
+NOT_CARRIED = re.compile(r"(.*\.(safetensors|bin|pt|pth|py|msgpack|h5|ckpt)|.*\.index\.json|config\.json|README\.md)\Z")
+REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?\Z")
+
+
+class SafetensorsSource:
+    """Lazy access to one or several safetensors files (a sharded checkpoint)."""
+
+    def __init__(self, files: list[Path], weight_map: Optional[dict[str, str]] = None):
+        self._handles, self._where = {}, {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise ConversionError(
+                    f"Cannot read safetensors file {path}: {err}. The file is truncated or corrupt "
+                    "(an interrupted download or copy?); download or copy it again."
+                ) from err
+            self._handles[path.name] = handle
+            for key in handle.keys():
+                self._where[key] = path.name
+        if weight_map is not None:
+            self._check_index(weight_map)
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        wrong = [f"{k} (index: {f}, found in: {self._where.get(k, 'no shard')})"
+                 for k, f in weight_map.items() if self._where.get(k) != f]
+        extra = [k for k in self._where if k not in weight_map]
+        if wrong or extra:
+            raise ConversionError(
+                f"{SAFE_INDEX} does not match the shards: {listing(wrong + extra, limit=8)}. "
+                "The shards and the index come from different saves; download the checkpoint again."
+            )
+
+    def keys(self) -> Iterable[str]:
+        return self._where.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            return self._handles[self._where[key]].get_tensor(key)
+        except SafetensorError as err:
+            raise ConversionError(f"Cannot read tensor {key} from {self._where[key]}: {err}. "
+                                  "The file is corrupt; download or copy it again.") from err
+
+
+class StateDictSource:
+    """A state dict already in memory (from a `.pt`/`.bin` file)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]):
+        self._sd = state_dict
+
+    def keys(self) -> Iterable[str]:
+        return self._sd.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._sd[key]
+
+
+def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
+    """Tensors of a `torch.save` file and the config dict stored with them, if any.
+
+    Accepts a bare state dict or the usual training-script wrapper `{"model"|"state_dict": sd,
+    "config": {...}}`. Loaded with `weights_only=True`: a pickle cannot run code here.
+    """
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several unrelated types for bad pickles and zip archives
+        raise ConversionError(f"Cannot load {path} as a PyTorch state dict: {err}. The file is corrupt, "
+                              "truncated, or not a torch.save of tensors.") from err
+    if not isinstance(obj, dict):
+        raise ConversionError(f"{path} holds a {type(obj).__name__}, expected a dict of tensors; "
+                              "save `model.state_dict()`, not the module.")
+    config = obj.get("config") if isinstance(obj.get("config"), dict) else None
+    for wrapper in ("model", "state_dict", "model_state_dict"):
+        if isinstance(obj.get(wrapper), dict):
+            obj = obj[wrapper]
+            break
+    not_tensors = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        raise ConversionError(f"{path} has entries that are not tensors: {listing(not_tensors)}; "
+                              "expected a state dict (or {'model': state_dict, 'config': {...}}).")
+    return obj, config
+
+
+def open_checkpoint(folder: Path) -> SafetensorsSource | StateDictSource:
+    """The tensors of a transformers-style folder: sharded or single safetensors, else `.bin`."""
+    index = folder / SAFE_INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ConversionError(f"{index} is not a valid safetensors index ({err}); download it again.") from err
+        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
+        if missing:
+            raise ConversionError(f"{index} names shard(s) that are not in {folder}: {listing(missing)}. "
+                                  "Download the complete checkpoint.")
+        return SafetensorsSource([folder / f for f in sorted(set(weight_map.values()))], weight_map)
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return SafetensorsSource(shards)
+    for path in sorted(folder.iterdir()):
+        if path.suffix in STATE_DICT_SUFFIXES:
+            return StateDictSource(load_state_dict_file(path)[0])
+    raise ConversionError(f"No weights in {folder}: expected model.safetensors, {SAFE_INDEX} with its shards, "
+                          "or a pytorch_model.bin.")
+
+
+def resolve_source(src: str, revision: Optional[str] = None) -> Path:
+    """A local path as is; otherwise a Hub repo id, downloaded (or found in the cache when
+    `HF_HUB_OFFLINE=1`) with `huggingface_hub.snapshot_download`."""
+    path = Path(src).expanduser()
+    if path.exists():
+        return path
+    if not REPO_ID.match(src):
+        raise ConversionError(f"SRC {src!r} is not an existing path and not a Hub repo id (ORG/NAME).")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=src, revision=revision))
+    except Exception as err:  # network, auth, offline-cache misses: all end the same way for the user
+        raise ConversionError(
+            f"SRC {src!r} is not a local path and could not be fetched from the Hub: {err}. "
+            "Check the repo id and your access (HF_TOKEN), or download it and pass the folder."
+        ) from err
+
+
+def check_destination(dst: Path, src: Path, overwrite: bool) -> None:
+    """Refuse, before any work is done, a DST that would lose data or overlap SRC."""
+    dst, src = dst.resolve(), src.resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ConversionError(f"DST {dst} overlaps SRC {src}; choose a separate output folder.")
+    if dst.exists() and not dst.is_dir():
+        raise ConversionError(f"DST {dst} exists and is not a folder; choose a folder path.")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise ConversionError(f"DST {dst} exists and is not empty; pass --overwrite to replace it, "
+                              "or choose another folder.")
+
+
+def staging_dir(dst: Path) -> Path:
+    """A fresh hidden sibling of DST (same filesystem, so the final rename is atomic)."""
+    dst = dst.resolve()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)   # left by a killed run with the same pid
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, dst: Path) -> None:
+    """Move the finished `tmp` to `dst`, replacing an existing `dst` (the caller checked --overwrite)."""
+    dst = dst.resolve()
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy tokenizer files, chat template, generation config and the like (every top-level file that
+    is not weights, config, code or the model card). Returns the copied names."""
+    copied = []
+    for path in sorted(src.iterdir()) if src.is_dir() else []:
+        if path.is_file() and not path.name.startswith(".") and not NOT_CARRIED.match(path.name):
+            shutil.copyfile(path, dst / path.name)
+            copied.append(path.name)
+    return copied

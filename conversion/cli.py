@@ -1,0 +1,71 @@
+"""`attnres-convert SRC DST`: convert a Llama-family or other-layout AttnRes checkpoint to AttnRes.
+
+Examples:
+    attnres-convert meta-llama/Llama-3.2-1B out/llama-attnres
+    attnres-convert ./qwen3-0.6b out/qwen3-attnres --block-size 4 --dtype bfloat16 --push-to-hub me/qwen3-attnres
+    attnres-convert run/ckpt.pt out/seed --config run/config.json --seed-block-size 8
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .convert import DTYPES, ConversionResult, ConvertOptions, convert
+from .errors import ConversionError
+from .hub import push_folder
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface; every option maps onto a `ConvertOptions` field."""
+    p = argparse.ArgumentParser(prog="attnres-convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="local folder, Hub repo id (ORG/NAME) or a .pt/.bin state dict")
+    p.add_argument("dst", type=Path, help="output folder (written to a temporary sibling, renamed at the end)")
+    p.add_argument("--block-size", type=int, help="layers per block (default: ceil(layers / 8), about 8 blocks)")
+    p.add_argument("--mode", choices=("block", "full"), default="block", help="Block or Full AttnRes")
+    p.add_argument("--stream-scale", type=float, help="scale s of the residual stream for standard models "
+                   "(default: the smallest power of two >= the most sources any site mixes; 1 keeps weights identical)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="output dtype (default: the source's)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip running both models")
+    p.add_argument("--clip-to-sliding-window", action="store_true",
+                   help="convert a Mistral sliding-window model with max_position_embeddings cut to the window")
+    p.add_argument("--seed-block-size", type=int, help="block size of a seed-layout checkpoint, in sublayers")
+    p.add_argument("--config", dest="config_path", type=Path, help="config.json for a bare state-dict file")
+    p.add_argument("--revision", help="Hub revision of SRC")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size of the output")
+    p.add_argument("--push-to-hub", metavar="REPO", help="upload DST to this Hub repo after converting")
+    p.add_argument("--private", action="store_true", default=None, help="create the Hub repo as private")
+    return p
+
+
+def summary(result: ConversionResult) -> list[str]:
+    """What the CLI prints after a conversion."""
+    cfg = result.config
+    lines = [f"Converted {result.src} ({result.layout}) -> {result.dst}",
+             f"  {cfg.num_hidden_layers} layers, attn_res_mode={cfg.attn_res_mode}, "
+             f"attn_res_block_size={cfg.attn_res_block_size}, dtype={str(result.dtype).removeprefix('torch.')}, "
+             f"stream scale={result.stream_scale:g}, rms_norm_eps={cfg.rms_norm_eps:g}"]
+    if result.verification is not None:
+        lines += ["Verification:", *(f"  {line}" for line in result.verification.lines())]
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `attnres-convert`; returns the exit status (1 on a conversion error)."""
+    args = vars(build_parser().parse_args(argv))
+    src, dst, repo, private = args.pop("src"), args.pop("dst"), args.pop("push_to_hub"), args.pop("private")
+    try:
+        result = convert(src, dst, ConvertOptions(**args))
+        print("\n".join(summary(result)))
+        if repo:
+            print(f"Pushed to {push_folder(result.dst, repo, private=private)}")
+    except ConversionError as err:
+        print(f"attnres-convert: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The Python API behind `attnres-convert`: plan a conversion, write it atomically, verify it.
+
+`convert(src, dst)` takes a local folder, a Hub repo id or a state-dict file and writes an
+`AttnResForCausalLM` folder (safetensors, config with `auto_map`, the modeling files, the source's
+tokenizer / chat template / generation config, a model card). Everything is written to a hidden
+sibling of DST and renamed into place only after the converted model has loaded and been verified.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoConfig
+
+from modeling_attnres import AttnResConfig, AttnResForCausalLM
+
+from .checkpoint_io import (STATE_DICT_SUFFIXES, StateDictSource, check_destination, copy_side_files,
+                            load_state_dict_file, open_checkpoint, publish, resolve_source, staging_dir)
+from .errors import ConversionError
+from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, target_shapes
+from .model_card import write_model_card
+from .seed import SEED_RULES, attnres_config_from_seed, normalize_keys
+from .standard import (DEPTH_FILLS, STANDARD_RULES, architecture_of, attnres_config_from_standard,
+                       default_stream_scale, standard_fills)
+from .verify import VerifyReport, verify_attnres_layout, verify_standard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ConvertOptions:
+    """Knobs of a conversion; the defaults are what `attnres-convert SRC DST` does.
+
+    block_size: layers per block (default ceil(L/8), about 8 blocks). mode: "block" or "full".
+    stream_scale: residual-stream scale s for standard models (default: see `default_stream_scale`;
+    1 leaves the weights bit-identical). dtype: "auto" (the source's) or a name in `DTYPES`.
+    seed_block_size / config_path: for state-dict files (block size in sublayers; config json).
+    """
+
+    block_size: Optional[int] = None
+    mode: str = "block"
+    stream_scale: Optional[float] = None
+    dtype: str = "auto"
+    overwrite: bool = False
+    verify: bool = True
+    clip_to_window: bool = False
+    seed_block_size: Optional[int] = None
+    config_path: Optional[Path] = None
+    revision: Optional[str] = None
+    max_shard_size: str = "5GB"
+
+
+@dataclass
+class Plan:
+    """What to convert and how: the tensors, the key map, the target config."""
+
+    layout: str                      # a source architecture name, or "attnres" for other AttnRes layouts
+    source: TensorSource
+    rules: tuple[Rule, ...]
+    fills: tuple[Fill, ...]
+    config: AttnResConfig
+    ctx: TransformContext
+    folder: Optional[Path]           # where side files (tokenizer, ...) and the source model live
+
+
+@dataclass
+class ConversionResult:
+    """What `convert` did, for the CLI summary, the model card and tests."""
+
+    src: str
+    dst: Path
+    layout: str
+    config: AttnResConfig
+    stream_scale: float
+    dtype: torch.dtype
+    copied_files: list[str] = field(default_factory=list)
+    verification: Optional[VerifyReport] = None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConversionError(f"Cannot read {path} as JSON: {err}; fix or replace the file.") from err
+
+
+def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOptions,
+                         folder: Optional[Path]) -> Plan:
+    state_dict = normalize_keys({k: source.get(k) for k in source.keys()})
+    target = attnres_config_from_seed(config, state_dict, options.seed_block_size)
+    return Plan("attnres", StateDictSource(state_dict), SEED_RULES, (), target, TransformContext(), folder)
+
+
+def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
+    state_dict, stored_config = load_state_dict_file(path)
+    config_path = options.config_path or (path.parent / "config.json")
+    if options.config_path is not None or config_path.exists():
+        config = _read_json(config_path)
+    elif stored_config is not None:
+        config = stored_config
+    else:
+        raise ConversionError(f"{path} is a bare state dict with no config: pass --config CONFIG.json (Llama "
+                              "field names: hidden_size, num_attention_heads, ...) or put config.json next to it.")
+    return _plan_attnres_layout(StateDictSource(state_dict), config, options, None)
+
+
+def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
+    try:
+        src_config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as err:
+        model_type = _read_json(folder / "config.json").get("model_type")
+        raise ConversionError(f"Cannot read the config of {folder} (model_type {model_type!r}): {err}. "
+                              "Supported: Llama, Qwen2, Qwen3, Mistral and AttnRes checkpoints.") from err
+    layout = architecture_of(src_config)
+    config = attnres_config_from_standard(src_config, block_size=options.block_size, mode=options.mode,
+                                          clip_to_window=options.clip_to_window)
+    scale = options.stream_scale if options.stream_scale is not None else default_stream_scale(config)
+    if not scale > 0:
+        raise ConversionError(f"--stream-scale must be positive, got {scale}.")
+    ctx = TransformContext(stream_scale=float(scale), tied=config.tie_word_embeddings)
+    return Plan(layout, open_checkpoint(folder), STANDARD_RULES, standard_fills(src_config), config, ctx, folder)
+
+
+def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
+    """Read SRC's config and open its tensors; pick the key map for its layout."""
+    if src_path.is_file():
+        if src_path.suffix not in STATE_DICT_SUFFIXES:
+            raise ConversionError(f"SRC file {src_path} is not a state dict ({', '.join(STATE_DICT_SUFFIXES)}); "
+                                  "pass a checkpoint folder or a torch.save'd state dict.")
+        return _plan_state_dict_file(src_path, options)
+    config_file = src_path / "config.json"
+    if not config_file.exists():
+        files = [p for p in src_path.iterdir() if p.suffix in STATE_DICT_SUFFIXES]
+        if len(files) == 1:
+            return _plan_state_dict_file(files[0], options)
+        raise ConversionError(f"{src_path} has no config.json: expected a transformers checkpoint folder.")
+    raw = _read_json(config_file)
+    if raw.get("model_type") == "attnres":
+        return _plan_attnres_layout(open_checkpoint(src_path), raw, options, src_path)
+    return _plan_standard(src_path, options)
+
+
+def _output_dtype(plan: Plan, name: str) -> torch.dtype:
+    if name == "auto":
+        return plan.source.get(next(k for k in plan.source.keys() if "embed_tokens" in k)).dtype
+    if name not in DTYPES:
+        raise ConversionError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
+def write_model(plan: Plan, out: Path, dtype: torch.dtype, max_shard_size: str) -> None:
+    """Map the tensors into a meta-device AttnRes model and save it (safetensors, config, auto_map,
+    modeling files). Only the converted tensors are ever materialised."""
+    with torch.device("meta"):
+        model = AttnResForCausalLM(plan.config)
+    tensors = apply_key_map(plan.source, plan.rules, plan.fills, target_shapes(model), plan.ctx, dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if plan.config.tie_word_embeddings:
+        model.tie_weights()
+    model.config.dtype = dtype
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+
+
+def convert(src: str | Path, dst: str | Path, options: Optional[ConvertOptions] = None) -> ConversionResult:
+    """Convert SRC (folder, Hub repo id or state-dict file) into an AttnRes checkpoint at DST."""
+    options = options or ConvertOptions()
+    src_path = resolve_source(str(src), options.revision)
+    dst = Path(dst).expanduser().resolve()
+    check_destination(dst, src_path, options.overwrite)
+    plan = plan_conversion(src_path, options)
+    dtype = _output_dtype(plan, options.dtype)
+    result = ConversionResult(str(src), dst, plan.layout, plan.config, plan.ctx.stream_scale, dtype)
+    tmp = staging_dir(dst)
+    try:
+        write_model(plan, tmp, dtype, options.max_shard_size)
+        if plan.folder is not None:
+            result.copied_files = copy_side_files(plan.folder, tmp)
+        if options.verify:
+            result.verification = (verify_standard(plan.folder, tmp, plan.config, plan.ctx.stream_scale)
+                                   if plan.layout != "attnres" else verify_attnres_layout(plan, tmp))
+        write_model_card(tmp, result)
+        publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+__all__ = ["ConvertOptions", "ConversionResult", "convert", "plan_conversion", "DEPTH_FILLS"]

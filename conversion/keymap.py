@@ -1,0 +1,183 @@
+"""Declarative key maps: a table of rules plus small named transforms.
+
+A layout is described by `Rule`s (source key pattern(s) -> target key pattern, through a named
+transform) and `Fill`s (target keys that have no source, created by a named filler). Patterns are
+literal keys in which `{i}` stands for a layer index. `apply_key_map` is strict on purpose: a source
+key no rule claims, two sources claiming one target, a target key nothing fills, or a tensor whose
+shape differs from the AttnRes model's, is an error that lists every such key, never a silent drop.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Optional, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import ConversionError, listing
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Source key pattern(s) -> target key pattern via a transform named in `TRANSFORMS`.
+
+    `target=None` drops the matched keys; only for tensors the target recomputes (rotary tables).
+    """
+
+    sources: tuple[str, ...]
+    target: Optional[str]
+    transform: str = "copy"
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A target key pattern that no source provides, created by a filler named in `FILLERS`."""
+
+    target: str
+    filler: str
+
+
+@dataclass(frozen=True)
+class TransformContext:
+    """What the transforms need to know. `stream_scale` multiplies the whole residual stream (see
+    `scale_stream`); `tied` says whether lm_head reads the embedding matrix."""
+
+    stream_scale: float = 1.0
+    tied: bool = False
+
+
+class TensorSource(Protocol):
+    """Read access to a checkpoint's tensors, one at a time (so sharded checkpoints stay lazy)."""
+
+    def keys(self) -> Iterable[str]: ...
+
+    def get(self, key: str) -> torch.Tensor: ...
+
+
+def _copy(t: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+    return t
+
+
+def _scale_stream(t: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+    # Every tensor that *writes* into the residual stream (embedding, o_proj, down_proj and their
+    # biases) is scaled by s, so the whole stream becomes s*H; every reader applies RMSNorm first.
+    return t if ctx.stream_scale == 1 else (t.double() * ctx.stream_scale).to(t.dtype)
+
+
+def _unscale_tied_head(t: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+    # A tied lm_head reads the *scaled* embedding matrix; dividing the final norm's gain by s keeps
+    # the logits unchanged without untying (no extra vocab x d matrix).
+    if not ctx.tied or ctx.stream_scale == 1:
+        return t
+    return (t.double() / ctx.stream_scale).to(t.dtype)
+
+
+def _as_query(t: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+    # Training scripts store a pseudo-query either as Linear(d, 1).weight [1, d] or as a bare [d].
+    return t.reshape(1, -1) if t.dim() == 1 else t
+
+
+TRANSFORMS: dict[str, Callable[[torch.Tensor, TransformContext], torch.Tensor]] = {
+    "copy": _copy,
+    "scale_stream": _scale_stream,
+    "unscale_tied_head": _unscale_tied_head,
+    "as_query": _as_query,
+}
+
+FILLERS: dict[str, Callable[[torch.Size, torch.dtype], torch.Tensor]] = {
+    "zeros": lambda shape, dtype: torch.zeros(shape, dtype=dtype),   # pseudo-queries, absent biases
+    "ones": lambda shape, dtype: torch.ones(shape, dtype=dtype),     # depth key-norm gains
+}
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + r"\Z")
+
+
+def _render(pattern: str, match: re.Match) -> str:
+    return pattern.replace("{i}", match.group("i")) if "{i}" in pattern else pattern
+
+
+def plan_key_map(source_keys: Iterable[str], rules: Iterable[Rule]) -> dict[str, tuple[str, str]]:
+    """`{target_key: (source_key, transform)}` for every source key; raises listing unmapped keys
+    and targets claimed twice."""
+    compiled = [(rule, [_compile(p) for p in rule.sources]) for rule in rules]
+    plan, unmapped, claims = {}, [], {}
+    for key in source_keys:
+        hit = next(((rule, m) for rule, pats in compiled for p in pats if (m := p.match(key))), None)
+        if hit is None:
+            unmapped.append(key)
+            continue
+        rule, match = hit
+        if rule.target is None:
+            continue
+        target = _render(rule.target, match)
+        claims.setdefault(target, []).append(key)
+        plan[target] = (key, rule.transform)
+    if unmapped:
+        raise ConversionError(
+            f"{len(unmapped)} source key(s) match no rule of the key map: {listing(unmapped)}. "
+            "The checkpoint has tensors this layout does not know; check that SRC is the architecture "
+            "it claims to be (config.json `architectures`), or extend the key map in attnres.conversion."
+        )
+    twice = {t: ks for t, ks in claims.items() if len(ks) > 1}
+    if twice:
+        pairs = [f"{t} <- {' and '.join(ks)}" for t, ks in twice.items()]
+        raise ConversionError(f"Several source keys map to one target key: {listing(pairs)}. "
+                              "Keep only one naming variant in the checkpoint.")
+    return plan
+
+
+def _fill_targets(missing: Iterable[str], fills: Iterable[Fill]) -> dict[str, str]:
+    compiled = [(fill, _compile(fill.target)) for fill in fills]
+    found = {}
+    for key in missing:
+        filler = next((fill.filler for fill, pat in compiled if pat.match(key)), None)
+        if filler is not None:
+            found[key] = filler
+    return found
+
+
+def target_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """Shape of every tensor a checkpoint of `model` must provide (a tied lm_head is not stored)."""
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[Fill],
+                  target_shapes: Mapping[str, torch.Size], ctx: TransformContext,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every target tensor, converted to `dtype`. Raises listing leftover, unfilled or misshapen keys."""
+    plan = plan_key_map(list(source.keys()), rules)
+    foreign = [f"{src} -> {tgt}" for tgt, (src, _) in plan.items() if tgt not in target_shapes]
+    if foreign:
+        raise ConversionError(
+            f"Source key(s) map to target keys the AttnRes model does not have: {listing(foreign)}. "
+            "The target config disagrees with the checkpoint (e.g. a bias or q/k norm the config turns off)."
+        )
+    fillers = _fill_targets([k for k in target_shapes if k not in plan], fills)
+    unfilled = [k for k in target_shapes if k not in plan and k not in fillers]
+    if unfilled:
+        raise ConversionError(
+            f"{len(unfilled)} AttnRes parameter(s) have no source tensor and no filler: {listing(unfilled)}. "
+            "The checkpoint is missing tensors (a truncated or partial export?) or its config asks for "
+            "more layers/biases than it stores."
+        )
+    out, bad = {}, []
+    for target, (key, transform) in tqdm(sorted(plan.items()), desc="Converting tensors", unit="tensor"):
+        tensor = TRANSFORMS[transform](source.get(key), ctx)
+        if tuple(tensor.shape) != tuple(target_shapes[target]):
+            bad.append(f"{key}: {tuple(tensor.shape)} (expected {tuple(target_shapes[target])} for {target})")
+            continue
+        out[target] = tensor.to(dtype).contiguous()
+    if bad:
+        raise ConversionError(
+            f"Shape mismatch for {len(bad)} tensor(s): {listing(bad, limit=8)}. The config (hidden_size, "
+            "intermediate_size, num_attention_heads, num_key_value_heads, head_dim, vocab_size) does not "
+            "describe these weights; fix the config or pass the checkpoint it belongs to."
+        )
+    for key, filler in fillers.items():
+        out[key] = FILLERS[filler](target_shapes[key], dtype)
+    return out

@@ -1,0 +1,63 @@
+"""The model card (README.md) of a converted checkpoint: what was converted, how, and what it costs."""
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .checkpoint_io import REPO_ID
+
+if TYPE_CHECKING:
+    from .convert import ConversionResult
+
+STANDARD_HOW = """All transformer weights are carried over unchanged; every depth-attention pseudo-query is
+zero and every depth key-norm gain is one, so each site mixes its sources uniformly and returns the
+ordinary residual stream divided by its number of sources `c`. Every reader of the stream is an
+RMSNorm, which ignores that scale except through eps: site by site the effective eps becomes
+`(c/s)^2 * rms_norm_eps`, where `s = {scale:g}` is the residual-stream scale applied at conversion
+(embedding, `o_proj` and `down_proj` multiplied by `s`{tied_note}). With `rms_norm_eps = 0` the model
+is exactly the source; otherwise it differs by this eps change only (numbers below), which a short
+fine-tune heals. Training it further lets the pseudo-queries learn where to look."""
+
+LAYOUT_HOW = """The source already is an AttnRes model; its tensors were renamed to this project's layout
+(seed pseudo-code names such as `attn_res_proj` -> `self_attention_res_proj`, block size counted in
+sublayers -> layers) by a declarative key map. No value was changed except for the output dtype."""
+
+
+def _front_matter(result: "ConversionResult") -> str:
+    lines = ["---", "library_name: transformers", "tags:", "- attnres", "- attention-residuals"]
+    if REPO_ID.match(result.src) and "/" in result.src:
+        lines.append(f"base_model: {result.src}")
+    return "\n".join(lines + ["---", ""])
+
+
+def _config_lines(result: "ConversionResult") -> list[str]:
+    cfg = result.config
+    blocks = ("Full AttnRes (every sublayer is its own source)" if cfg.attn_res_mode == "full" else
+              f"Block AttnRes, {cfg.attn_res_block_size} layer(s) per block "
+              f"({cfg.num_depth_sources - 1} blocks over {cfg.num_hidden_layers} layers)")
+    return [f"- source: `{result.src}` ({result.layout})", f"- depth attention: {blocks}",
+            f"- dtype: {str(result.dtype).removeprefix('torch.')}", f"- rms_norm_eps: {cfg.rms_norm_eps:g}",
+            f"- kept from the source: {', '.join(f'`{n}`' for n in result.copied_files) or 'nothing'}"]
+
+
+def model_card(result: "ConversionResult") -> str:
+    """The README.md text for a converted checkpoint."""
+    if result.layout == "attnres":
+        how = LAYOUT_HOW
+    else:
+        tied = ", and the final norm's gain divided by `s` because lm_head is tied to the embedding"
+        how = STANDARD_HOW.format(scale=result.stream_scale, tied_note=tied if result.config.tie_word_embeddings else "")
+    verify = (["## Verification", "", *(f"- {line}" for line in result.verification.lines()), ""]
+              if result.verification is not None else ["Verification was skipped (`--no-verify`).", ""])
+    return "\n".join([
+        _front_matter(result), f"# AttnRes conversion of {result.src}", "",
+        "An Attention Residuals (Kimi Team, arXiv:2603.15031) model converted with `attnres-convert`.", "",
+        *_config_lines(result), "", "## How", "", how, "", *verify,
+        "## Use", "", "```python", "from transformers import AutoModelForCausalLM",
+        "model = AutoModelForCausalLM.from_pretrained(PATH_OR_REPO, trust_remote_code=True)", "```",
+        "`trust_remote_code=True` loads the modeling files shipped here; with the `attnres` package installed "
+        "(`import modeling_attnres`) the installed code is used instead.", ""])
+
+
+def write_model_card(folder: Path, result: "ConversionResult") -> None:
+    """Write README.md into the output folder."""
+    (folder / "README.md").write_text(model_card(result))

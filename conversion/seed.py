@@ -1,0 +1,114 @@
+"""Other AttnRes layouts -> ours: the seed pseudo-code's names and plain training-script state dicts.
+
+The seed pseudo-code names a layer's pre-attention site `attn_res_proj` / `attn_res_norm` (ours:
+`self_attention_res_proj` / `self_attention_res_norm`), its pre-MLP site `mlp_res_proj` /
+`mlp_res_norm` (same as ours), and counts the block size in *sublayers* (an attention or an MLP),
+two per layer. We count layers, so a seed block of `2k` sublayers is `attn_res_block_size=k`, a
+block of one sublayer is Full AttnRes (every sublayer its own source), and any other odd size has no
+equivalent. The seed has no name for the output site; we accept `final_attn_res_*`,
+`output_attn_res_*`, `out_attn_res_*` and `final_res_*`, with or without the `model.` prefix.
+Training scripts often wrap the model (DDP's `module.`, torch.compile's `_orig_mod.`) or save the
+inner model without `model.`; `normalize_keys` undoes that before the table applies.
+
+Assumption: the seed's layer counter is 0-based and a block closes at `layer % (block_size // 2) == 0`,
+which is the spec's schedule (K3 wins where sources differ).
+"""
+
+from typing import Optional
+
+import torch
+
+from modeling_attnres import AttnResConfig
+
+from .errors import ConversionError
+from .keymap import Rule
+from .standard import LAYER
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+OUTPUT_SITE_NAMES = ("final_attn_res", "output_attn_res", "out_attn_res", "final_res")
+
+
+def _site(ours: str, *theirs: str) -> tuple[Rule, ...]:
+    names = (ours, *theirs)
+    return (Rule(tuple(f"{n}_proj.weight" for n in names), f"{ours}_proj.weight", "as_query"),
+            Rule(tuple(f"{n}_norm.weight" for n in names), f"{ours}_norm.weight"))
+
+
+def _same(*keys: str) -> tuple[Rule, ...]:
+    return tuple(Rule((k,), k) for k in keys)
+
+
+SEED_RULES = (
+    *_same("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
+    *_same(*(f"{LAYER}.self_attn.{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias"))),
+    *_same(f"{LAYER}.self_attn.q_norm.weight", f"{LAYER}.self_attn.k_norm.weight"),
+    *_same(*(f"{LAYER}.mlp.{p}_proj.{t}" for p in ("gate", "up", "down") for t in ("weight", "bias"))),
+    Rule((f"{LAYER}.input_layernorm.weight", f"{LAYER}.attn_norm.weight"), f"{LAYER}.input_layernorm.weight"),
+    Rule((f"{LAYER}.post_attention_layernorm.weight", f"{LAYER}.mlp_norm.weight"),
+         f"{LAYER}.post_attention_layernorm.weight"),
+    *_site(f"{LAYER}.self_attention_res", f"{LAYER}.attn_res"),
+    *_site(f"{LAYER}.mlp_res"),
+    *_site("model.output_attn_res", *(f"model.{n}" for n in OUTPUT_SITE_NAMES if n != "output_attn_res")),
+    Rule((f"{LAYER}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"), None),
+)
+
+
+def normalize_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip training wrappers (`module.`, `_orig_mod.`) and add the `model.` prefix where the inner
+    model was saved on its own. `lm_head.` stays top-level, as in transformers."""
+    out = {}
+    for key, tensor in state_dict.items():
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        if not key.startswith(("model.", "lm_head.")):
+            key = f"model.{key}"
+        out[key] = tensor
+    return out
+
+
+def block_size_from_sublayers(sublayers: int) -> dict:
+    """AttnResConfig fields for a seed block size counted in sublayers."""
+    if sublayers == 1:
+        return {"attn_res_mode": "full"}
+    if sublayers < 1 or sublayers % 2:
+        raise ConversionError(
+            f"Seed block size {sublayers} (in sublayers) cannot be expressed: AttnRes blocks hold whole "
+            "layers (2 sublayers each), so expected 1 (Full AttnRes) or an even number; a block of "
+            f"{sublayers} sublayers would split a layer between two blocks."
+        )
+    return {"attn_res_mode": "block", "attn_res_block_size": sublayers // 2}
+
+
+def _infer_flags(state_dict: dict[str, torch.Tensor], fields: dict) -> None:
+    """Booleans a training config often omits but the weights show."""
+    keys = state_dict.keys()
+    fields.setdefault("tie_word_embeddings", "lm_head.weight" not in keys)
+    fields.setdefault("qk_norm", any(k.endswith("self_attn.q_norm.weight") for k in keys))
+    fields.setdefault("attention_bias", any(k.endswith("self_attn.q_proj.bias") for k in keys))
+    fields.setdefault("mlp_bias", any(k.endswith("mlp.gate_proj.bias") for k in keys))
+
+
+def attnres_config_from_seed(config: dict, state_dict: dict[str, torch.Tensor],
+                             seed_block_size: Optional[int] = None) -> AttnResConfig:
+    """An AttnResConfig from a training-script config dict (Llama field names).
+
+    The seed's `block_size` (sublayers) or `seed_block_size` sets the block size; a config that is
+    already ours (`model_type: attnres`) keeps `attn_res_block_size` (layers).
+    """
+    fields = {k: v for k, v in config.items() if k not in ("block_size", "model_type", "auto_map",
+                                                             "architectures", "transformers_version")}
+    sublayers = seed_block_size if seed_block_size is not None else config.get("block_size")
+    if sublayers is not None:
+        fields.pop("attn_res_block_size", None)
+        fields.update(block_size_from_sublayers(int(sublayers)))
+    elif config.get("model_type") != "attnres":
+        raise ConversionError(
+            "The seed checkpoint's block size is unknown: its config has no `block_size` (in sublayers). "
+            "Pass --seed-block-size N (sublayers per block, as in the seed pseudo-code)."
+        )
+    _infer_flags(state_dict, fields)
+    fields["architectures"] = ["AttnResForCausalLM"]
+    try:
+        return AttnResConfig(**fields)
+    except (ValueError, TypeError) as err:
+        raise ConversionError(f"The seed config does not make a valid AttnResConfig: {err}") from err

@@ -1,0 +1,172 @@
+"""Standard pre-norm models (Llama, Qwen2, Qwen3, Mistral) -> AttnRes with zero pseudo-queries.
+
+With every pseudo-query zero, each depth-attention site returns the ordinary residual stream divided
+by its number of sources `c`, and every reader of the stream is an RMSNorm, which ignores that scale
+except through eps (shared/attnres-spec.md, "Converting a standard pre-norm model"). So the weights
+carry over unchanged; what the converter adds is:
+
+- the depth parameters (pseudo-queries zero, key-norm gains one), filled in;
+- an optional *stream scale* `s`: the embedding, `o_proj` and `down_proj` (and their biases) are
+  multiplied by `s`, so the whole residual stream is `s*H` and each site's effective eps becomes
+  `(c/s)^2 * eps` instead of `c^2 * eps`. A tied lm_head reads the scaled embedding, so the final
+  norm's gain is divided by `s` instead (logits unchanged, embeddings stay tied). Powers of two keep
+  all of this bit-exact in every float format;
+- Qwen2's `o_proj` has no bias while its q/k/v do; AttnRes's `attention_bias` covers all four, so the
+  converted `o_proj.bias` is filled with zeros (exact).
+"""
+
+import math
+from typing import Optional
+
+from transformers import PretrainedConfig
+
+from modeling_attnres import AttnResConfig
+
+from .errors import ConversionError
+from .keymap import Fill, Rule
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# Rope types whose tables LlamaRotaryEmbedding computes over the full head dimension.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# Fields that mean the same in the source configs and in AttnResConfig (a LlamaConfig).
+SHARED_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+    "use_cache", "tie_word_embeddings", "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id",
+)
+
+LAYER = "model.layers.{i}"
+
+
+def _same(*keys: str, transform: str = "copy") -> tuple[Rule, ...]:
+    return tuple(Rule((k,), k, transform) for k in keys)
+
+
+STANDARD_RULES = (
+    *_same("model.embed_tokens.weight", transform="scale_stream"),
+    *_same(*(f"{LAYER}.self_attn.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias"))),
+    *_same(f"{LAYER}.self_attn.o_proj.weight", f"{LAYER}.self_attn.o_proj.bias", transform="scale_stream"),
+    *_same(f"{LAYER}.self_attn.q_norm.weight", f"{LAYER}.self_attn.k_norm.weight"),
+    *_same(*(f"{LAYER}.mlp.{p}_proj.{t}" for p in ("gate", "up") for t in ("weight", "bias"))),
+    *_same(f"{LAYER}.mlp.down_proj.weight", f"{LAYER}.mlp.down_proj.bias", transform="scale_stream"),
+    *_same(f"{LAYER}.input_layernorm.weight", f"{LAYER}.post_attention_layernorm.weight"),
+    *_same("model.norm.weight", transform="unscale_tied_head"),
+    *_same("lm_head.weight"),
+    # Old exports store the rotary table; AttnRes recomputes it from rope_parameters.
+    Rule((f"{LAYER}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"), None),
+)
+
+DEPTH_FILLS = (
+    Fill(f"{LAYER}.self_attention_res_proj.weight", "zeros"),
+    Fill(f"{LAYER}.mlp_res_proj.weight", "zeros"),
+    Fill("model.output_attn_res_proj.weight", "zeros"),
+    Fill(f"{LAYER}.self_attention_res_norm.weight", "ones"),
+    Fill(f"{LAYER}.mlp_res_norm.weight", "ones"),
+    Fill("model.output_attn_res_norm.weight", "ones"),
+)
+# Only Qwen2 lacks the o_proj bias its AttnRes config implies.
+QWEN2_FILLS = (Fill(f"{LAYER}.self_attn.o_proj.bias", "zeros"),)
+
+
+def default_block_size(num_layers: int, blocks: int = 8) -> int:
+    """Layers per block for about `blocks` blocks (the paper's recommendation): ceil(L / 8)."""
+    return max(1, math.ceil(num_layers / blocks))
+
+
+def architecture_of(config: PretrainedConfig) -> str:
+    """The source's `architectures[0]`, checked against the supported list."""
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else f"<none; model_type={getattr(config, 'model_type', None)!r}>"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConversionError(
+            f"Unsupported architecture {arch}: attnres-convert converts {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "checkpoints (and AttnRes checkpoints in other layouts). Other models differ in more than the "
+            "residual path and cannot be carried over exactly."
+        )
+    return arch
+
+
+def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> Optional[int]:
+    """Reject sliding-window attention, which AttnRes (full causal attention) cannot carry.
+
+    Mistral's window equals full attention for sequences up to the window, so `clip_to_window`
+    converts it with `max_position_embeddings` cut to the window. Returns the new limit, if any.
+    """
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding_layers = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+    if sliding_layers:
+        raise ConversionError(
+            f"Layers {sliding_layers} use {layer_types[sliding_layers[0]]!r} attention "
+            f"(sliding_window={getattr(config, 'sliding_window', None)}), expected full attention on every "
+            "layer: AttnRes has no sliding-window layers. Convert a checkpoint with use_sliding_window=false."
+        )
+    window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    if window is None or window >= config.max_position_embeddings:
+        return None
+    if clip_to_window:
+        return window
+    raise ConversionError(
+        f"sliding_window={window} is smaller than max_position_embeddings={config.max_position_embeddings}: "
+        "AttnRes uses full attention, which equals this model only for sequences up to the window. Pass "
+        f"--clip-to-sliding-window to convert with max_position_embeddings={window}, or use a checkpoint "
+        "with sliding_window null."
+    )
+
+
+def _check_rope(config: PretrainedConfig) -> dict:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConversionError(f"rope_type {rope_type!r} is not supported by AttnRes; expected one of "
+                              f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+    factor = rope.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise ConversionError(f"partial_rotary_factor={factor}: AttnRes rotates the whole head (expected 1.0).")
+    return rope
+
+
+def attnres_config_from_standard(config: PretrainedConfig, *, block_size: Optional[int] = None,
+                                 mode: str = "block", clip_to_window: bool = False) -> AttnResConfig:
+    """The AttnResConfig that carries `config` (a Llama/Qwen2/Qwen3/Mistral config) exactly."""
+    arch = architecture_of(config)
+    fields = {name: getattr(config, name) for name in SHARED_FIELDS if hasattr(config, name)}
+    fields["rope_parameters"] = _check_rope(config)
+    window = _check_attention_window(config, clip_to_window)
+    if window is not None:
+        fields["max_position_embeddings"] = window
+    fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fields["attention_bias"] = {"Qwen2ForCausalLM": True}.get(arch, getattr(config, "attention_bias", False))
+    fields["mlp_bias"] = getattr(config, "mlp_bias", False)
+    fields["qk_norm"] = arch == "Qwen3ForCausalLM"
+    fields["attn_res_mode"] = mode
+    fields["attn_res_block_size"] = block_size or default_block_size(config.num_hidden_layers)
+    fields["architectures"] = ["AttnResForCausalLM"]
+    try:
+        return AttnResConfig(**fields)
+    except (ValueError, TypeError) as err:
+        raise ConversionError(f"The converted config is invalid: {err}") from err
+
+
+def standard_fills(config: PretrainedConfig) -> tuple[Fill, ...]:
+    """The depth parameters, plus Qwen2's missing o_proj bias."""
+    return DEPTH_FILLS + (QWEN2_FILLS if architecture_of(config) == "Qwen2ForCausalLM" else ())
+
+
+def sources_per_site(config: AttnResConfig) -> list[int]:
+    """Number of sources `c` each site mixes, in site order (attention and MLP of every layer, then
+    the output site). With zero queries site j reads `H / c_j`, the eps change the spec describes."""
+    if config.attn_res_mode == "full":
+        return list(range(1, 2 * config.num_hidden_layers + 2))
+    counts, stored = [], 0
+    for layer in range(config.num_hidden_layers):
+        counts.append(stored + 1)               # stored blocks + the running partial
+        if layer % config.attn_res_block_size == 0:
+            stored += 1                         # the partial became a stored block; a new one starts
+        counts.append(stored + 1)
+    return counts + [stored + 1]
+
+
+def default_stream_scale(config: AttnResConfig) -> float:
+    """The smallest power of two >= the largest source count: every site's effective eps is then
+    at most the source's own (`(c/s)^2 <= 1`), and powers of two scale without rounding."""
+    return float(2 ** math.ceil(math.log2(max(sources_per_site(config)))))
