@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="output dtype (default: the source's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip running both models")
-    p.add_argument("--clip-to-sliding-window", action="store_true",
+    p.add_argument("--clip-to-sliding-window", dest="clip_to_window", action="store_true",
                    help="convert a Mistral sliding-window model with max_position_embeddings cut to the window")
     p.add_argument("--seed-block-size", type=int, help="block size of a seed-layout checkpoint, in sublayers")
     p.add_argument("--config", dest="config_path", type=Path, help="config.json for a bare state-dict file")

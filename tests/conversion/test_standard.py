@@ -1,0 +1,104 @@
+"""Llama / Qwen2 / Qwen3 / Mistral checkpoints -> AttnRes: exactness at eps=0, the predicted eps effect otherwise."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from attnres.conversion import ConvertOptions, convert
+from attnres.conversion.cli import main
+from attnres.conversion.standard import default_block_size, sources_per_site
+from attnres.conversion.verify import apply_predicted_eps
+from modeling_attnres import AttnResConfig, AttnResForCausalLM
+from tests.conversion.builders import CHAT_TEMPLATE, SOURCES, rel_diff, save_source, source_model, token_ids
+
+
+def load(path, dtype=torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_exact_at_eps_zero(tmp_path, name):
+    src = source_model(name, eps=0.0)
+    save_source(src, tmp_path / "src")
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False))
+    model = load(tmp_path / "dst")
+    assert isinstance(model, AttnResForCausalLM)
+    assert result.stream_scale > 1  # the default scales the stream, and must still be exact
+    ids = token_ids()
+    with torch.no_grad():
+        assert rel_diff(model(ids).logits, src(ids).logits) < 1e-5
+        kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, **kwargs), src.generate(ids, **kwargs))
+    assert model.config.tie_word_embeddings == src.config.tie_word_embeddings
+    if src.config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    zero = [p for n, p in model.named_parameters() if n.endswith("_res_proj.weight")]
+    assert len(zero) == 2 * src.config.num_hidden_layers + 1 and all(not p.any() for p in zero)
+
+
+@pytest.mark.parametrize("name", ["llama_tied_bias", "qwen3"])
+def test_eps_deviation_is_exactly_the_predicted_one(tmp_path, name):
+    """With the source's eps the converted model equals the source with each site's eps replaced by
+    (c/s)^2 * eps, as the spec predicts, and nothing else; the scale makes that deviation smaller."""
+    src = source_model(name, eps=1e-5)
+    save_source(src, tmp_path / "src")
+    ids = token_ids()
+    with torch.no_grad():
+        reference = src(ids).logits
+        deviations = {}
+        for scale in (1.0, None):
+            dst = tmp_path / f"dst-{scale}"
+            result = convert(tmp_path / "src", dst, ConvertOptions(verify=False, stream_scale=scale))
+            got = load(dst)(ids).logits
+            predicted = source_model(name, eps=1e-5)
+            apply_predicted_eps(predicted, result.config, result.stream_scale)
+            assert rel_diff(got, predicted(ids).logits) < 1e-5
+            deviations[scale] = rel_diff(got, reference)
+    assert 1e-5 < deviations[None] < deviations[1.0] / 3
+
+
+def test_weights_are_carried_bit_exactly_with_unit_scale(tmp_path):
+    src = source_model("qwen2_tied", eps=1e-6)
+    save_source(src, tmp_path / "src", shards=False)
+    convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False, stream_scale=1))
+    with safe_open(tmp_path / "dst" / "model.safetensors", "pt") as f:
+        converted = {k: f.get_tensor(k) for k in f.keys()}
+    for key, tensor in src.state_dict().items():
+        if key != "lm_head.weight":  # tied: stored once, as the embedding
+            assert torch.equal(converted[key], tensor), key
+    # Qwen2's o_proj has no bias; AttnRes's attention_bias covers it, filled with zeros.
+    assert not converted["model.layers.0.self_attn.o_proj.bias"].any()
+
+
+def test_cli_verifies_and_keeps_tokenizer_chat_template_and_generation_config(tmp_path, capsys):
+    src = source_model("llama_tied_bias", eps=1e-6)
+    src.generation_config.temperature, src.generation_config.do_sample = 0.7, True
+    save_source(src, tmp_path / "src", tokenizer=True)
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--dtype", "bfloat16", "--block-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "max |logit difference|" in out and "greedy generation" in out and "eps prediction" in out
+    dst = tmp_path / "dst"
+    config = json.loads((dst / "config.json").read_text())
+    assert config["model_type"] == "attnres" and config["attn_res_block_size"] == 3 and config["dtype"] == "bfloat16"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_attnres.AttnResForCausalLM"
+    assert json.loads((dst / "generation_config.json").read_text())["temperature"] == 0.7
+    assert AutoTokenizer.from_pretrained(dst).chat_template == CHAT_TEMPLATE
+    with safe_open(dst / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    card = (dst / "README.md").read_text()
+    assert "LlamaForCausalLM" in card and "max |logit difference|" in card and "3 layer(s) per block" in card
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_default_block_size_and_source_counts():
+    assert [default_block_size(n) for n in (1, 8, 9, 32, 93)] == [1, 1, 2, 4, 12]
+    config = AttnResConfig(num_hidden_layers=5, attn_res_block_size=2, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=4)
+    # layer 0: attn mixes only the embedding; the partial becomes block 1 at layers 0, 2, 4
+    assert sources_per_site(config) == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
+    assert sources_per_site(config)[-1] == config.num_depth_sources
