@@ -54,19 +54,19 @@ def list_corpus_files(root: Path | None = None) -> list[tuple[str, Path]]:
     return sorted(files)
 
 
-def is_validation(rel_path: str) -> bool:
+def is_validation(rel_path: str, percent: int = VALIDATION_PERCENT) -> bool:
     """Deterministic split by a hash of the relative path (not of the contents, which change per version)."""
     digest = hashlib.sha256(rel_path.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < VALIDATION_PERCENT
+    return int.from_bytes(digest[:4], "big") % 100 < percent
 
 
-def read_texts(root: Path | None = None) -> dict[str, list[str]]:
+def read_texts(root: Path | None = None, validation_percent: int = VALIDATION_PERCENT) -> dict[str, list[str]]:
     """`{"train": [...], "validation": [...]}` file texts, in file order."""
     splits: dict[str, list[str]] = {"train": [], "validation": []}
     for rel, path in list_corpus_files(root):
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():
-            splits["validation" if is_validation(rel) else "train"].append(text)
+            splits["validation" if is_validation(rel, validation_percent) else "train"].append(text)
     return splits
 
 

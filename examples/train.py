@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -93,8 +94,7 @@ def prepare_data(args):
 
             tok = data.wrap_tokenizer(Tokenizer.from_str(blob["tokenizer"]), args.seq_len)
             return tok, blob["train"], blob["validation"], blob["heldout_text"]
-    data.VALIDATION_PERCENT = args.validation_percent
-    texts = data.read_texts(args.corpus_root)
+    texts = data.read_texts(args.corpus_root, args.validation_percent)
     if not texts["validation"]:
         raise SystemExit(f"error: no validation files in the corpus at {args.corpus_root or data.stdlib_root()}; "
                          f"add files or raise --validation-percent ({args.validation_percent})")
@@ -174,8 +174,6 @@ def build_optimizer(model, args):
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
     def lr_factor(step: int) -> float:
-        import math
-
         if step < args.warmup:
             return (step + 1) / args.warmup
         progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
@@ -195,8 +193,9 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args, history: list) -> None:
-    """Everything needed to continue exactly: weights, optimizer moments, schedule, step, RNG, loss history."""
+def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args, history: list, seconds: float) -> None:
+    """Everything needed to continue exactly: weights, optimizer moments, schedule, step, RNG, loss
+    history, and the training seconds so far (so a resumed run reports the total time)."""
     atomic_save({
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -205,11 +204,12 @@ def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args, hi
         "rng": torch.get_rng_state(),
         "args": {k: str(getattr(args, k)) for k in RESUME_KEYS},
         "history": history,
+        "seconds": seconds,
     }, path)
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, args) -> tuple[int, list]:
-    """Restore a checkpoint written by the same command; returns (next step, loss history)."""
+def load_checkpoint(path: Path, model, optimizer, scheduler, args) -> tuple[int, list, float]:
+    """Restore a checkpoint written by the same command; returns (next step, loss history, seconds)."""
     state = torch.load(path, weights_only=False)
     expected = {k: str(getattr(args, k)) for k in RESUME_KEYS}
     changed = {k: (state["args"].get(k), v) for k, v in expected.items() if state["args"].get(k) != v}
@@ -221,7 +221,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, args) -> tuple[int,
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
-    return state["step"], state["history"]
+    return state["step"], state["history"], state.get("seconds", 0.0)
 
 
 # -------------------------------------------------------------------------------------- training
@@ -239,16 +239,30 @@ def train_step(model, optimizer, scheduler, batch: torch.Tensor) -> float:
 
 
 def train(args) -> dict:
-    """Run (or resume) training; returns the metrics dict (also written to work_dir/metrics.json)."""
+    """Run (or resume) training; returns the metrics dict (also written to work_dir/metrics.json).
+
+    Thread count and deterministic mode are process-wide, so they are restored afterwards (the
+    tests call this in-process).
+    """
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return run_training(args)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def run_training(args) -> dict:
+    """The training loop proper (see `train`)."""
     tok, train_chunks, val_chunks, heldout = prepare_data(args)
     model = build_model(args, tok).train()
     optimizer, scheduler = build_optimizer(model, args)
     ckpt = args.work_dir / "checkpoint.pt"
-    start, history = 0, []
+    start, history, before = 0, [], 0.0
     if ckpt.exists() and not args.no_resume:
-        start, history = load_checkpoint(ckpt, model, optimizer, scheduler, args)
+        start, history, before = load_checkpoint(ckpt, model, optimizer, scheduler, args)
         print(f"resuming from {ckpt} at step {start}/{args.steps}", file=sys.stderr)
     tokens_per_step = args.batch_size * args.seq_len
     stop = min(args.steps, args.stop_after) if args.stop_after is not None else args.steps
@@ -260,13 +274,14 @@ def train(args) -> dict:
         rate = (step + 1 - start) * tokens_per_step / (time.perf_counter() - began)
         bar.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{rate:.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == stop:
-            save_checkpoint(ckpt, model, optimizer, scheduler, step + 1, args, history)
+            seconds = before + time.perf_counter() - began
+            save_checkpoint(ckpt, model, optimizer, scheduler, step + 1, args, history, seconds)
     bar.close()
     elapsed = time.perf_counter() - began
     metrics = {"arch": args.arch, "steps_done": stop, "train_tokens": stop * tokens_per_step,
                "final_train_loss": history[-1] if history else None, "history": history,
                "tokens_per_s": (stop - start) * tokens_per_step / elapsed if stop > start else None,
-               "train_seconds_this_run": elapsed}
+               "train_seconds_this_run": elapsed, "train_seconds_total": before + elapsed}
     if stop == args.steps:
         metrics.update(evaluate(model, tok, val_chunks, heldout, args))
         if args.out:
@@ -291,7 +306,10 @@ def evaluate(model, tok, val_chunks, heldout: str, args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
-    metrics = train(args)
+    try:
+        metrics = train(args)
+    except FileNotFoundError as err:           # a bad --corpus-root: say so without a traceback
+        raise SystemExit(f"error: {err}") from None
     summary = {k: v for k, v in metrics.items() if k != "history"}
     print(json.dumps(summary, indent=1))
     return 0
