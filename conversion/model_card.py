@@ -8,8 +8,8 @@ from .checkpoint_io import REPO_ID
 if TYPE_CHECKING:
     from .convert import ConversionResult
 
-STANDARD_HOW = """All transformer weights are carried over unchanged; every depth-attention pseudo-query is
-zero and every depth key-norm gain is one, so each site mixes its sources uniformly and returns the
+STANDARD_HOW = """All transformer weights are carried over (scaled by a power of two where noted below); every
+depth-attention pseudo-query is zero and every depth key-norm gain is one, so each site mixes its sources uniformly and returns the
 ordinary residual stream divided by its number of sources `c`. Every reader of the stream is an
 RMSNorm, which ignores that scale except through eps: site by site the effective eps becomes
 `(c/s)^2 * rms_norm_eps`, where `s = {scale:g}` is the residual-stream scale applied at conversion
