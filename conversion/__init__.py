@@ -4,7 +4,7 @@
 live in `standard` (Llama, Qwen2, Qwen3, Mistral) and `seed` (other AttnRes layouts).
 """
 
-from .convert import ConversionResult, ConvertOptions, convert
+from .converter import ConversionResult, ConvertOptions, convert
 from .errors import ConversionError
 from .hub import push_folder
 

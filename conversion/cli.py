@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .convert import DTYPES, ConversionResult, ConvertOptions, convert
+from .converter import DTYPES, ConversionResult, ConvertOptions, convert
 from .errors import ConversionError
 from .hub import push_folder
 

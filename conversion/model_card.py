@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from .checkpoint_io import REPO_ID
 
 if TYPE_CHECKING:
-    from .convert import ConversionResult
+    from .converter import ConversionResult
 
 STANDARD_HOW = """All transformer weights are carried over (scaled by a power of two where noted below); every
 depth-attention pseudo-query is zero and every depth key-norm gain is one, so each site mixes its sources uniformly and returns the

@@ -22,7 +22,7 @@ from .keymap import apply_key_map, target_shapes
 from .standard import sources_per_site
 
 if TYPE_CHECKING:
-    from .convert import Plan
+    from .converter import Plan
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Attention residuals let every layer")
 NEW_TOKENS = 8

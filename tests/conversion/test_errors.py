@@ -1,0 +1,120 @@
+"""Bad inputs: a clear error naming the value and the fix, and nothing left at DST or beside it."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import attnres.conversion.converter as converter_module
+from attnres.conversion import ConversionError, ConvertOptions, convert
+from attnres.conversion.cli import main
+from tests.conversion.builders import edit_config, save_source, source_model
+
+
+@pytest.fixture
+def llama_src(tmp_path):
+    return save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+
+
+def assert_nothing_written(tmp_path, dst_name="dst"):
+    assert not (tmp_path / dst_name).exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]   # no staging folder
+
+
+def refuse(tmp_path, src, pattern, **options):
+    with pytest.raises(ConversionError, match=pattern):
+        convert(src, tmp_path / "dst", ConvertOptions(verify=False, **options))
+    assert_nothing_written(tmp_path)
+
+
+def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path, capsys):
+    config = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    assert main([str(tmp_path / "gpt2"), str(tmp_path / "dst")]) == 1
+    err = capsys.readouterr().err
+    assert "Unsupported architecture GPT2LMHeadModel" in err
+    assert "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM" in err
+    assert_nothing_written(tmp_path)
+
+
+def test_sliding_window_layers_are_refused(tmp_path):
+    model = source_model("qwen2_tied", use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    refuse(tmp_path, save_source(model, tmp_path / "src"), r"Layers \[2, 3\] use 'sliding_attention'.*sliding_window=8")
+
+
+def test_mistral_window_needs_the_clip_flag(tmp_path):
+    src = save_source(source_model("mistral", sliding_window=16), tmp_path / "src")
+    refuse(tmp_path, src, r"sliding_window=16 is smaller than max_position_embeddings=128.*--clip-to-sliding-window")
+    result = convert(src, tmp_path / "dst", ConvertOptions(verify=False, clip_to_window=True))
+    assert result.config.max_position_embeddings == 16
+
+
+@pytest.mark.parametrize("rope,pattern", [
+    ({"rope_type": "mrope", "rope_theta": 1e4, "mrope_section": [2, 2, 4]}, "rope_type 'mrope' is not supported"),
+    ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+])
+def test_rope_that_attnres_cannot_carry(tmp_path, llama_src, rope, pattern):
+    edit_config(llama_src, rope_parameters=rope)
+    refuse(tmp_path, llama_src, pattern)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_truncated_or_corrupt_safetensors(tmp_path, llama_src, damage):
+    shard = sorted(llama_src.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not a safetensors file" * 4)
+    refuse(tmp_path, llama_src, rf"Cannot read safetensors file .*{shard.name}.*truncated or corrupt")
+
+
+def test_missing_shard_is_named(tmp_path, llama_src):
+    shard = sorted(llama_src.glob("*.safetensors"))[0]
+    shard.unlink()
+    refuse(tmp_path, llama_src, rf"names shard\(s\) that are not in .*{shard.name}")
+
+
+def test_shape_mismatch_lists_tensors(tmp_path, llama_src):
+    edit_config(llama_src, intermediate_size=48)
+    refuse(tmp_path, llama_src, r"Shape mismatch for 12 tensor\(s\): model\.layers\.0\.mlp\.down_proj\.weight: "
+                                r"\(32, 64\) \(expected \(32, 48\)")
+
+
+def test_leftover_and_unfilled_keys_are_listed(tmp_path):
+    src = save_source(source_model("llama"), tmp_path / "src", shards=False)
+    weights = load_file(src / "model.safetensors")
+    save_file({**weights, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, src / "model.safetensors")
+    refuse(tmp_path, src, r"1 source key\(s\) match no rule of the key map: model\.layers\.0\.mlp\.extra\.weight")
+    del weights["model.layers.3.self_attn.k_proj.weight"], weights["model.norm.weight"]
+    save_file(weights, src / "model.safetensors")
+    refuse(tmp_path, src, r"2 AttnRes parameter\(s\) have no source.*model\.layers\.3\.self_attn\.k_proj\.weight, "
+                          r"model\.norm\.weight")
+
+
+def test_existing_destination_needs_overwrite(tmp_path, llama_src, capsys):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    assert main([str(llama_src), str(dst), "--no-verify"]) == 1
+    assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 0
+    assert not (dst / "keep.txt").exists() and (dst / "config.json").exists()
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, llama_src, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(converter_module, "write_model_card", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(llama_src, tmp_path / "dst", ConvertOptions(verify=False))
+    assert_nothing_written(tmp_path)
+
+
+def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
+    refuse(tmp_path, llama_src, "--stream-scale must be positive, got -2", stream_scale=-2.0)
+    refuse(tmp_path, llama_src, "--dtype 'int8' is not supported; expected auto, float32", dtype="int8")
+    refuse(tmp_path, tmp_path / "nowhere" / "x", "is not an existing path and not a Hub repo id")
+    (tmp_path / "notes.txt").write_text("x")
+    refuse(tmp_path, tmp_path / "notes.txt", "is not a state dict")
+    assert json.loads((llama_src / "config.json").read_text())["model_type"] == "llama"
