@@ -1,0 +1,92 @@
+"""The Hub without a network.
+
+Push: `attnres-convert ... --push-to-hub` runs the real `HfApi.upload_folder` client (Git LFS path)
+against a local Hub API server (tests/conversion/fake_hub.py), which writes the commit in the Hub
+cache layout. Pull: one fresh interpreter with `HF_HUB_OFFLINE=1` (read at import time) converts a
+source given by repo id from a hub-layout cache, and loads the pushed repo with
+`from_pretrained(repo_id, trust_remote_code=True)`; the tests compare logits.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import constants
+from transformers import AutoModelForCausalLM
+
+from attnres.conversion.cli import main
+from tests.conversion.builders import hub_cache_snapshot, rel_diff, save_source, source_model, token_ids
+from tests.conversion.fake_hub import FakeHub
+
+ROOT = Path(__file__).resolve().parents[2]
+
+OFFLINE_SCRIPT = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+# First, before anything imports the installed modeling_attnres (which would take precedence):
+# the pushed repo, by repo id, with the modeling files it ships.
+model = AutoModelForCausalLM.from_pretrained(sys.argv[3], trust_remote_code=True, dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = model(torch.load(sys.argv[4])).logits
+from attnres.conversion.cli import main
+status = main([sys.argv[1], sys.argv[2]])                       # SRC pulled by repo id from the cache
+torch.save({"status": status, "logits": logits, "module": type(model).__module__}, sys.argv[5])
+"""
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory):
+    """Push one conversion to the local Hub, then pull a source and the pushed repo offline."""
+    tmp = tmp_path_factory.mktemp("hub")
+    pushed_src = save_source(source_model("llama_tied_bias", eps=1e-6), tmp / "pushed_src", tokenizer=True)
+    pulled_src = source_model("qwen3", eps=0.0)
+    hub_cache_snapshot(save_source(pulled_src, tmp / "pulled_src", tokenizer=True), tmp / "cache", "tiny-org/qwen3")
+    with FakeHub(tmp / "cache") as hub, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(constants, "ENDPOINT", hub.url)            # what HF_ENDPOINT sets at import time
+        mp.setattr(constants, "HF_HUB_DISABLE_XET", True)     # the Git LFS upload path (no Xet CAS server here)
+        mp.setenv("HF_TOKEN", "hf_test_token")
+        status = main([str(pushed_src), str(tmp / "pushed"), "--no-verify", "--push-to-hub", "me/tiny-attnres"])
+    torch.save(token_ids(), tmp / "ids.pt")
+    (tmp / "offline.py").write_text(OFFLINE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp / "cache"), HF_HOME=str(tmp / "hf_home"),
+               HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "offline.py", "tiny-org/qwen3", str(tmp / "pulled"), "me/tiny-attnres",
+                           "ids.pt", "out.pt"], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(tmp=tmp, hub=hub, push_status=status, offline=torch.load(tmp / "out.pt"), stdout=proc.stdout,
+                pulled_src=pulled_src)
+
+
+def test_push_goes_through_the_upload_client(hub_run):
+    hub, pushed = hub_run["hub"], hub_run["tmp"] / "pushed"
+    assert hub_run["push_status"] == 0
+    assert hub.unexpected == [] and len(hub.commits) == 1 and hub.commits[0]["repo"] == "me/tiny-attnres"
+    assert hub.commits[0]["files"] == sorted(p.name for p in pushed.iterdir())
+    assert {"config.json", "modeling_attnres.py", "depth_attention.py", "configuration_attnres.py", "README.md",
+            "tokenizer.json", "model.safetensors"} <= set(hub.commits[0]["files"])
+    assert any(call.startswith("PUT /lfs-upload/") for call in hub.calls)   # weights went through Git LFS
+    assert hub.card_metadata["library_name"] == "transformers" and "attnres" in hub.card_metadata["tags"]
+
+
+def test_pushed_repo_loads_from_pretrained_with_remote_code(hub_run):
+    offline = hub_run["offline"]
+    assert offline["module"].startswith("transformers_modules")
+    local = AutoModelForCausalLM.from_pretrained(hub_run["tmp"] / "pushed", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(offline["logits"], local(token_ids()).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_source_pulled_by_repo_id_offline(hub_run):
+    assert hub_run["offline"]["status"] == 0
+    assert "Converted tiny-org/qwen3 (Qwen3ForCausalLM)" in hub_run["stdout"]
+    assert "greedy generation (8 tokens) agrees: yes" in hub_run["stdout"]
+    pulled = hub_run["tmp"] / "pulled"
+    converted = AutoModelForCausalLM.from_pretrained(pulled).eval()
+    with torch.no_grad():
+        assert rel_diff(converted(token_ids()).logits, hub_run["pulled_src"](token_ids()).logits) < 1e-5
+    assert "base_model: tiny-org/qwen3" in (pulled / "README.md").read_text()
+    assert (pulled / "tokenizer.json").exists()
