@@ -7,7 +7,7 @@ Importing this package registers `AttnResConfig`, `AttnResModel` and `AttnResFor
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_attnres import AttnResConfig
-from .depth_attention import depth_mix
+from .depth_attention import fold_queries, mix_site
 from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel
 
 
@@ -20,4 +20,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["AttnResConfig", "AttnResModel", "AttnResForCausalLM", "AttnResPreTrainedModel", "depth_mix"]
+__all__ = ["AttnResConfig", "AttnResModel", "AttnResForCausalLM", "AttnResPreTrainedModel", "fold_queries", "mix_site"]

@@ -7,20 +7,18 @@ softmax-weighted sum of *sources* (earlier blocks or sublayer outputs) of the sa
 
 Because `w . (g * s / rms(s)) == (w * g) . s / rms(s)`, a site is described by one folded query
 `q = w * g` (see `fold_queries`). Scores, softmax and the weighted sum run in float32 (float64
-inputs stay float64).
+inputs stay float64), over the raw sources, and the result is cast back.
 
-Sources are split into *stored* ones (completed blocks, fixed between two block boundaries) and the
-running *partial* (the block being accumulated). All sites between two boundaries share the stored
-set, so they are scored together in one pass (`score_stored`), and each site then merges its own
-partial exactly with an online-softmax step (`merge_partial`); `mix_site` does both for one site.
-Callers keep the stored sources and the partial as locals of `forward`, never on a module or in
-the KV cache: depth attention only ever mixes vectors of one token position.
+Sources are split into the *stored* ones (completed blocks, `[*tokens, n, d]`) and the running
+*partial* (the block being accumulated, `[*tokens, d]`). Callers keep both as locals of `forward`,
+never on a module or in the KV cache: depth attention only ever mixes vectors of one token
+position. `mix_site` is one fused pass per site with no branch on shapes or values, so it traces
+the same way under torch.compile for every site, the first one (no stored source) included.
 
 This module imports torch only, so that the transformers model, the vLLM model and the converters
 all run the same code.
 """
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,83 +36,42 @@ def fold_queries(proj_weights: Tensor, norm_weights: Tensor) -> Tensor:
 
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
-    """`1 / sqrt(mean(x^2) + eps)` over the last dim, in the accumulation dtype. `[..., d] -> [...]`."""
+    """`1 / sqrt(mean(x^2) + eps)` over the last dim. `[..., d] -> [...]`, accumulation dtype.
+
+    `vector_norm` is one fused reduction; `pow(2).mean()` is two passes and far slower on CPU."""
     x = acc(x)
-    return torch.rsqrt(x.pow(2).mean(-1) + eps)
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / x.shape[-1] + eps)
 
 
-def source_scores(sources: Tensor, queries: Tensor, eps: float) -> Tensor:
-    """Scores of every source for every query.
-
-    sources: `[n, *tokens, d]`; queries: `[s, d]` (folded). Returns `[s, n, *tokens]` in the
-    accumulation dtype.
-    """
-    n, d = sources.shape[0], sources.shape[-1]
-    flat = acc(sources.reshape(n, -1, d))                              # [n, T, d]
-    dots = torch.einsum("ntd,sd->snt", flat, queries.to(flat.dtype))   # [s, n, T]
-    scores = dots * inverse_rms(flat, eps)                             # [s, n, T]
-    return scores.reshape(queries.shape[0], *sources.shape[:-1])
+def source_scores(sources: Tensor, query: Tensor, eps: float) -> Tensor:
+    """`q . s / rms(s)` for every source: `[..., d] -> [...]`, accumulation dtype."""
+    sources = acc(sources)
+    return (sources @ query.to(sources.dtype)) * inverse_rms(sources, eps)
 
 
-@dataclass
-class StoredMix:
-    """What `score_stored` leaves for each site of a group: `out [s, *tokens, d]` (weighted
-    sum of the stored sources), `lse [s, *tokens]` (their log-sum-exp) and, when asked for,
-    `scores [s, n, *tokens]`."""
-
-    out: Tensor
-    lse: Tensor
-    scores: Optional[Tensor] = None
+def empty_bank(partial: Tensor) -> Tensor:
+    """A bank with no stored source yet, `[*tokens, 0, d]`, for a partial `[*tokens, d]`."""
+    return partial.new_empty(*partial.shape[:-1], 0, partial.shape[-1])
 
 
-def score_stored(stored: Tensor, queries: Tensor, eps: float, keep_scores: bool = False) -> StoredMix:
-    """Phase 1: mix the stored sources `[n, *tokens, d]` for all `s` sites of a group at once."""
-    scores = source_scores(stored, queries, eps)                       # [s, n, *tokens]
-    lse = torch.logsumexp(scores, dim=1)                               # [s, *tokens]
-    probs = torch.exp(scores - lse.unsqueeze(1))                       # [s, n, *tokens]
-    out = torch.einsum("sn...,n...d->s...d", probs, acc(stored))       # [s, *tokens, d]
-    return StoredMix(out, lse, scores if keep_scores else None)
-
-
-def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, query: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Phase 2: merge one site's stored mix (`out [*tokens, d]`, `lse [*tokens]`) with its partial.
-
-    Exact online softmax: with `s_p` the partial's score, the partial's weight is
-    `sigmoid(s_p - lse)` and the stored mix keeps `sigmoid(lse - s_p)`. Returns the mixed state in
-    the partial's dtype and the partial's score `[*tokens]` (float32).
-    """
-    p = acc(partial)
-    s_p = (p @ query.to(p.dtype)) * inverse_rms(p, eps)                # [*tokens]
-    w_p = torch.sigmoid(s_p - lse).unsqueeze(-1)                       # [*tokens, 1]
-    mixed = out + w_p * (p - out)                                      # == (1-w_p)*o + w_p*p
-    return mixed.to(partial.dtype), s_p
-
-
-def depth_mix(sources: Tensor, query: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """One site in one pass: `sources [n, *tokens, d]`, folded `query [d]`.
-
-    Returns the mix `[*tokens, d]` in the sources' dtype and the weights `[*tokens, n]`.
-    """
-    scores = source_scores(sources, query[None], eps)[0]               # [n, *tokens]
-    probs = torch.softmax(scores, dim=0)
-    out = torch.einsum("n...,n...d->...d", probs, acc(sources))
-    return out.to(sources.dtype), probs.movedim(0, -1)
+def push_source(stored: Tensor, partial: Tensor) -> Tensor:
+    """Store the partial as a completed source: `[*tokens, n, d] -> [*tokens, n + 1, d]`."""
+    return torch.cat([stored, partial.unsqueeze(-2)], dim=-2)
 
 
 def mix_site(stored: Tensor, partial: Tensor, query: Tensor, eps: float,
              keep_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-    """One site: mix `stored [n, *tokens, d]` (n may be 0) and `partial [*tokens, d]` with the folded
-    `query [d]`. Returns the mix in the partial's dtype and, if `keep_weights`, the weights
-    `[*tokens, n + 1]` (the partial's weight last)."""
-    if stored.shape[0] == 0:
-        # One source: the weight is exactly 1, but computing it keeps the query in the graph, so it
-        # gets a zero gradient rather than none (DDP without find_unused_parameters needs that).
-        p = acc(partial)
-        weight = torch.softmax(((p @ query.to(p.dtype)) * inverse_rms(p, eps))[None], dim=0)[0]
-        return (weight[..., None] * p).to(partial.dtype), (weight[..., None] if keep_weights else None)
-    group = score_stored(stored, query[None], eps, keep_scores=keep_weights)
-    mixed, s_p = merge_partial(group.out[0], group.lse[0], partial, query, eps)
-    if not keep_weights:
-        return mixed, None
-    scores = torch.cat([group.scores[0], s_p[None]], dim=0)           # [n + 1, *tokens]
-    return mixed, torch.softmax(scores, dim=0).movedim(0, -1)
+    """Mix one site over `stored [*tokens, n, d]` (n may be 0) and `partial [*tokens, d]`.
+
+    `query [d]` is the site's folded query. Returns the mix `[*tokens, d]` in the partial's dtype
+    and, if `keep_weights`, the weights `[*tokens, n + 1]` (the partial's weight last). With n = 0
+    the weight is exactly 1; computing it anyway keeps the query in the autograd graph (a zero
+    gradient rather than none, which DDP without `find_unused_parameters` needs).
+
+    Token-major storage makes both contractions contiguous batched matmuls over tokens.
+    """
+    p, src = acc(partial), acc(stored)
+    scores = torch.cat([source_scores(src, query, eps), source_scores(p, query, eps)[..., None]], dim=-1)
+    weights = torch.softmax(scores, dim=-1)                                     # [*tokens, n + 1]
+    mixed = (weights[..., None, :-1] @ src).squeeze(-2) + weights[..., -1:] * p  # [*tokens, d]
+    return mixed.to(partial.dtype), (weights if keep_weights else None)

@@ -37,7 +37,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_attention import fold_queries, mix_site
+from .depth_attention import empty_bank, fold_queries, mix_site, push_source
 
 
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "modeling_attnres.py")
@@ -79,7 +79,7 @@ class AttnResPseudoQuery(nn.Linear):
 
 @dataclass
 class DepthState:
-    """The depth history at a layer boundary: stored sources `[n, batch, seq, d]` and the running
+    """The depth history at a layer boundary: stored sources `[batch, seq, n, d]` and the running
     partial `[batch, seq, d]`. Passed from layer to layer; never kept on a module."""
 
     stored: torch.Tensor
@@ -96,7 +96,7 @@ def push_block(state: DepthState, closes_block: bool) -> DepthState:
     """At a block boundary the partial becomes a stored source and a new partial starts empty."""
     if not closes_block:
         return state
-    return DepthState(torch.cat([state.stored, state.partial[None]]), None)
+    return DepthState(push_source(state.stored, state.partial), None)
 
 
 def accumulate(partial: Optional[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
@@ -264,7 +264,7 @@ class AttnResModel(AttnResPreTrainedModel):
                                     else self.config.output_hidden_states)
         output_depth_attentions = bool(output_depth_attentions)
 
-        stored = inputs_embeds.new_empty(0, *inputs_embeds.shape)      # [0, batch, seq, d]
+        stored = empty_bank(inputs_embeds)                             # [batch, seq, 0, d]
         partial = inputs_embeds                                        # the embedding: block 0
         all_hidden_states = [inputs_embeds] if output_hidden_states else None
         depth_attentions = [] if output_depth_attentions else None
@@ -281,7 +281,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 **kwargs,
             )
             if output_hidden_states:
-                all_hidden_states.append(stored.sum(0) + partial)
+                all_hidden_states.append(stored.sum(-2) + partial)
             if output_depth_attentions:
                 depth_attentions += [attn_site_weights, mlp_site_weights]
 

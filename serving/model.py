@@ -33,7 +33,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.sequence import IntermediateTensors
 
 from modeling_attnres.configuration_attnres import AttnResConfig
-from modeling_attnres.depth_attention import fold_queries, mix_site
+from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
 
 # HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
 # `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the regexes accept the seed
@@ -80,7 +80,7 @@ class AttnResPseudoQuery(nn.Module):
 
 
 def mix(stored: torch.Tensor, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
-    """Mix one site (stored `[n, tokens, d]`, partial `[tokens, d]`) with its folded query."""
+    """Mix one site (stored `[tokens, n, d]`, partial `[tokens, d]`) with its folded query."""
     query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
     mixed, _ = mix_site(stored, partial, query, norm.variance_epsilon)
     return mixed
@@ -90,7 +90,7 @@ def push_block(stored: torch.Tensor, partial: torch.Tensor, closes_block: bool):
     """At a block boundary the partial becomes a stored source and the new partial starts empty."""
     if not closes_block:
         return stored, partial
-    return torch.cat([stored, partial[None]]), None
+    return push_source(stored, partial), None
 
 
 def accumulate(partial, output: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ class AttnResDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, stored: torch.Tensor,
                 partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the new `(stored, partial)`; `stored` is `[n, tokens, d]`, `partial` `[tokens, d]`."""
+        """Returns the new `(stored, partial)`; `stored` is `[tokens, n, d]`, `partial` `[tokens, d]`."""
         h = mix(stored, partial, self.self_attention_res_proj, self.self_attention_res_norm)
         stored, partial = push_block(stored, partial, self.attn_closes_block)
         h = self.self_attn(positions=positions, hidden_states=self.input_layernorm(h))
@@ -213,7 +213,7 @@ class AttnResModel(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states `[tokens, d]` for flattened `[tokens]` inputs."""
         partial = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        stored = partial.new_empty(0, *partial.shape)                  # [0, tokens, d]
+        stored = empty_bank(partial)                                   # [tokens, 0, d]
         for layer in self.layers:
             stored, partial = layer(positions, stored, partial)
         out = mix(stored, partial, self.output_attn_res_proj, self.output_attn_res_norm)

@@ -1,0 +1,127 @@
+"""AttnRes vs the same-size Llama in transformers: prefill, decode and peak memory, side by side.
+
+    python bench/bench_transformers.py                   # the default size (hidden 1024, 16 layers)
+    python bench/bench_transformers.py --hidden-size 256 --num-hidden-layers 4 --repeats 3
+
+Runs are alternated (AttnRes, Llama, AttnRes, ...) and medians reported with the AttnRes/Llama
+ratio. Peak memory is the peak RSS of a fresh process that builds the model and runs the prefill.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_size_arguments, alternate, build, markdown_table  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def prefill_fn(model, tokens: torch.Tensor):
+    def run():
+        with torch.inference_mode():
+            model(tokens, use_cache=False, logits_to_keep=1)
+    return run
+
+
+def decode_fn(model, prompt: torch.Tensor, new_tokens: int):
+    """Greedy decoding of `new_tokens` tokens after an (untimed-in-spirit, but included) short prompt."""
+    def run():
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(new_tokens):
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return run
+
+
+def time_workloads(args, dtype_name: str) -> list[list]:
+    dtype = DTYPES[dtype_name]
+    models = {kind: build(kind, args, dtype) for kind in ("attnres", "llama")}
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), generator=gen)
+    med = alternate({k: prefill_fn(m, tokens) for k, m in models.items()}, args.repeats)
+    rows.append(row(f"prefill 1x{args.prefill_tokens}", dtype_name, med, args.prefill_tokens))
+    for batch in args.decode_batches:
+        prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_tokens), generator=gen)
+        med = alternate({k: decode_fn(m, prompt, args.new_tokens) for k, m in models.items()}, args.repeats)
+        rows.append(row(f"decode {batch}x{args.new_tokens} (prompt {args.prompt_tokens})", dtype_name, med,
+                        batch * args.new_tokens))
+    return rows
+
+
+def row(name, dtype_name, med, tokens):
+    a, l = med["attnres"], med["llama"]
+    return [name, dtype_name, f"{a * 1e3:.1f}", f"{l * 1e3:.1f}", f"{tokens / a:.1f}", f"{tokens / l:.1f}",
+            f"**{a / l:.3f}**"]
+
+
+def memory_probe(args) -> None:
+    """In a fresh process: build one model, run the prefill, print peak and post-build RSS (MiB)."""
+    torch.set_num_threads(args.threads)
+    model = build(args.memory_probe, args, DTYPES[args.dtype])
+    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens))
+    prefill_fn(model, tokens)()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"built_mib": built, "peak_mib": peak}))
+
+
+def memory_rows(args) -> list[list]:
+    rows = []
+    for dtype_name in args.dtypes:
+        res = {}
+        for kind in ("attnres", "llama"):
+            cmd = [sys.executable, __file__, "--memory-probe", kind, "--dtype", dtype_name] + sys.argv[1:]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            res[kind] = json.loads(out.strip().splitlines()[-1])
+        a, l = res["attnres"], res["llama"]
+        rows.append([f"peak RSS, prefill 1x{args.prefill_tokens}", dtype_name, f"{a['peak_mib']:.0f}",
+                     f"{l['peak_mib']:.0f}", f"{a['peak_mib'] - a['built_mib']:.0f}",
+                     f"{l['peak_mib'] - l['built_mib']:.0f}", f"**{a['peak_mib'] / l['peak_mib']:.3f}**"])
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
+    parser.add_argument("--memory-probe", choices=("attnres", "llama"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.memory_probe:
+        return memory_probe(args)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads; hidden {args.hidden_size}, "
+          f"{args.num_hidden_layers} layers, block size {args.block_size} ({args.mode})\n")
+    rows = [r for dtype_name in args.dtypes for r in time_workloads(args, dtype_name)]
+    print(markdown_table(["workload", "dtype", "AttnRes ms", "Llama ms", "AttnRes tok/s", "Llama tok/s",
+                          "ratio"], rows))
+    if not args.no_memory:
+        print()
+        print(markdown_table(["memory", "dtype", "AttnRes MiB", "Llama MiB", "AttnRes act. MiB",
+                              "Llama act. MiB", "ratio"], memory_rows(args)))
+
+
+if __name__ == "__main__":
+    main()
