@@ -87,8 +87,18 @@ def _read_json(path: Path) -> dict:
         raise ConversionError(f"Cannot read {path} as JSON: {err}; fix or replace the file.") from err
 
 
+def _reject_options(options: ConvertOptions, names: tuple[str, ...], why: str) -> None:
+    """Options that do not apply to this kind of source are an error, not silently ignored."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(options, n) != getattr(ConvertOptions(), n)]
+    if given:
+        raise ConversionError(f"{', '.join(given)} do(es) not apply here: {why}")
+
+
 def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOptions,
                          folder: Optional[Path]) -> Plan:
+    _reject_options(options, ("block_size", "mode", "stream_scale", "clip_to_window"),
+                    "SRC is already an AttnRes model, its block structure is kept (set --seed-block-size "
+                    "if its config lacks one) and its weights are not rescaled.")
     state_dict = normalize_keys({k: source.get(k) for k in source.keys()})
     target = attnres_config_from_seed(config, state_dict, options.seed_block_size)
     return Plan("attnres", StateDictSource(state_dict), SEED_RULES, (), target, TransformContext(), folder)
@@ -108,6 +118,8 @@ def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
 
 
 def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
+    _reject_options(options, ("seed_block_size", "config_path"),
+                    f"{folder} is a transformers checkpoint with its own config.json, not a seed-layout state dict.")
     try:
         src_config = AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, OSError) as err:
@@ -144,8 +156,9 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
 
 
 def _output_dtype(plan: Plan, name: str) -> torch.dtype:
-    if name == "auto":
-        return plan.source.get(next(k for k in plan.source.keys() if "embed_tokens" in k)).dtype
+    if name == "auto":  # the embedding's dtype: the one tensor every layout has
+        keys = list(plan.source.keys())
+        return plan.source.get(next((k for k in keys if "embed_tokens" in k), keys[0])).dtype
     if name not in DTYPES:
         raise ConversionError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
     return DTYPES[name]

@@ -14,9 +14,12 @@ Assumption: the seed's layer counter is 0-based and a block closes at `layer % (
 which is the spec's schedule (K3 wins where sources differ).
 """
 
+import dataclasses
+import warnings
 from typing import Optional
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from modeling_attnres import AttnResConfig
 
@@ -25,6 +28,17 @@ from .keymap import Rule
 from .standard import LAYER
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Config keys an AttnResConfig understands: its fields plus Llama's legacy rope spellings.
+CONFIG_KEYS = {f.name for f in dataclasses.fields(AttnResConfig)} | {"rope_theta", "rope_scaling"}
+NOT_CARRIED_KEYS = {"block_size", "model_type", "auto_map", "architectures", "transformers_version"}
+
+
+def _split_config(config: dict) -> tuple[dict, list[str]]:
+    """The keys to build the config from, and the foreign ones (training knobs) to report. Bookkeeping
+    every saved transformers config has (`_name_or_path`, `torch_dtype`, ...) is dropped quietly."""
+    bookkeeping = set(AttnResConfig().to_dict()) | {"torch_dtype"}
+    fields = {k: v for k, v in config.items() if k in CONFIG_KEYS and k not in NOT_CARRIED_KEYS}
+    return fields, sorted(set(config) - CONFIG_KEYS - NOT_CARRIED_KEYS - bookkeeping)
 OUTPUT_SITE_NAMES = ("final_attn_res", "output_attn_res", "out_attn_res", "final_res")
 
 
@@ -95,8 +109,9 @@ def attnres_config_from_seed(config: dict, state_dict: dict[str, torch.Tensor],
     The seed's `block_size` (sublayers) or `seed_block_size` sets the block size; a config that is
     already ours (`model_type: attnres`) keeps `attn_res_block_size` (layers).
     """
-    fields = {k: v for k, v in config.items() if k not in ("block_size", "model_type", "auto_map",
-                                                             "architectures", "transformers_version")}
+    fields, ignored = _split_config(config)
+    if ignored:  # training hyper-parameters and the like: not part of the model, kept out of config.json
+        warnings.warn(f"Config keys that are not AttnResConfig fields were ignored: {', '.join(ignored)}")
     sublayers = seed_block_size if seed_block_size is not None else config.get("block_size")
     if sublayers is not None:
         fields.pop("attn_res_block_size", None)
@@ -110,5 +125,5 @@ def attnres_config_from_seed(config: dict, state_dict: dict[str, torch.Tensor],
     fields["architectures"] = ["AttnResForCausalLM"]
     try:
         return AttnResConfig(**fields)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, StrictDataclassError) as err:
         raise ConversionError(f"The seed config does not make a valid AttnResConfig: {err}") from err

@@ -18,6 +18,7 @@ carry over unchanged; what the converter adds is:
 import math
 from typing import Optional
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 from modeling_attnres import AttnResConfig
@@ -143,7 +144,7 @@ def attnres_config_from_standard(config: PretrainedConfig, *, block_size: Option
     fields["architectures"] = ["AttnResForCausalLM"]
     try:
         return AttnResConfig(**fields)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, StrictDataclassError) as err:
         raise ConversionError(f"The converted config is invalid: {err}") from err
 
 

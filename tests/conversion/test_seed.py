@@ -103,3 +103,17 @@ def test_missing_block_size_and_unknown_keys_are_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"1 source key\(s\) match no rule.*model\.layers\.0\.extra_gate\.weight"):
         convert(tmp_path / "b.pt", tmp_path / "dst", ConvertOptions(seed_block_size=4))
     assert not (tmp_path / "dst").exists()
+
+
+def test_training_config_junk_is_dropped_and_inapplicable_options_refused(tmp_path):
+    model = tiny_model(seed=11, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    config = seed_config(model, 4)
+    del config["rope_parameters"]
+    config |= {"rope_theta": 5e5, "lr": 3e-4, "batch_size": 8}        # legacy rope key, training knobs
+    torch.save({"model": seed_state_dict(model), "config": config}, tmp_path / "ckpt.pt")
+    with pytest.raises(ConversionError, match=r"--block-size, --stream-scale do\(es\) not apply here"):
+        convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(block_size=3, stream_scale=2.0))
+    with pytest.warns(UserWarning, match="ignored: batch_size, lr"):
+        convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(verify=False))
+    saved = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert "lr" not in saved and saved["rope_parameters"]["rope_theta"] == 5e5
