@@ -25,6 +25,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def serve_command() -> list[str]:
+    """The installed `attnres-serve` script of this interpreter's environment, else `python -m`."""
+    script = Path(sys.executable).parent / "attnres-serve"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "attnres.serving.cli"]
+
+
 class ServerProcess:
     """`attnres-serve ARGS --host 127.0.0.1 --port <free>` in its own session (process group)."""
 
@@ -46,7 +54,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         """Launch the server and block until `GET /health` answers 200 (or raise with the log tail)."""
         self.port = free_port(self.host)
-        cmd = [sys.executable, "-m", "attnres.serving.cli", *self.args, "--host", self.host, "--port", str(self.port)]
+        cmd = [*serve_command(), *self.args, "--host", self.host, "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
@@ -114,4 +122,4 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "serve_command"]

@@ -57,24 +57,91 @@ def assert_parity(llm, hf_model) -> None:
                 assert (want >= fifth - LOGPROB_ATOL).sum() >= 5, "vLLM's top-5 are not HF's top-5"
 
 
+class Engines:
+    """One live in-process engine at a time, reused by consecutive tests of the same variant."""
+
+    def __init__(self, checkpoints):
+        self.checkpoints, self.key, self.llm = checkpoints, None, None
+
+    def get(self, variant: str, eager: bool = True):
+        if self.key != (variant, eager):
+            self.close()
+            path = self.path(variant)
+            self.llm, self.key = make_llm(path, enforce_eager=eager), (variant, eager)
+        return self.llm
+
+    def path(self, variant: str):
+        return self.checkpoints(variant, seed=len(variant), **VARIANTS[variant])
+
+    def close(self) -> None:
+        if self.llm is not None:
+            free_llm(self.llm)
+            self.llm, self.key = None, None
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    pool = Engines(checkpoints)
+    yield pool
+    pool.close()
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_and_logprobs_match_transformers_eager(variant, checkpoints):
-    path = checkpoints(variant, seed=len(variant), **VARIANTS[variant])
-    llm = make_llm(path, enforce_eager=True)
-    try:
-        assert_parity(llm, load_hf(path))
-    finally:
-        free_llm(llm)
+def test_greedy_and_logprobs_match_transformers_eager(variant, engines):
+    assert_parity(engines.get(variant), load_hf(engines.path(variant)))
 
 
-def test_greedy_and_logprobs_match_transformers_compiled(checkpoints):
+def test_greedy_and_logprobs_match_transformers_compiled(engines):
     """vLLM's default compilation (Dynamo + Inductor); the partial-block variant has the most structure."""
-    variant = "block3-partial-bias"
-    path = checkpoints(variant, seed=len(variant), **VARIANTS[variant])
-    llm = make_llm(path, enforce_eager=False)
+    llm = engines.get("block3-partial-bias", eager=False)
+    assert llm.llm_engine.vllm_config.compilation_config.mode != 0, "compilation is off: nothing tested"
+    assert_parity(llm, load_hf(engines.path("block3-partial-bias")))
+
+
+def edited_copy(src, dst, edit):
+    """Copy a checkpoint directory, rewriting its weights with `edit(dict) -> dict`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    save_file(edit(load_file(str(src / "model.safetensors"))), str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    return dst
+
+
+def test_seed_names_load_as_aliases(engines, tmp_path):
+    """A checkpoint that names the attention site `attn_res_proj` / `attn_res_norm` (the seed
+    pseudo-code's names) serves exactly like the original."""
+    variant = "block2-mha-qknorm"
+    original = engines.path(variant)
+    renamed = edited_copy(original, tmp_path / "seed-names",
+                          lambda w: {k.replace(".self_attention_res_", ".attn_res_"): v for k, v in w.items()})
+    engines.close()
+    llm = make_llm(renamed, enforce_eager=True)
     try:
-        config = llm.llm_engine.vllm_config.compilation_config
-        assert config.mode != 0, "compilation is off: this test would not test torch.compile"
-        assert_parity(llm, load_hf(path))
+        assert_parity(llm, load_hf(original))
     finally:
         free_llm(llm)
+
+
+def test_load_weights_lists_missing_and_unexpected_keys(engines, tmp_path):
+    """Runs last in this module: a failed engine start may leave in-process state behind."""
+    def broken(weights):
+        weights = dict(weights)
+        del weights["model.layers.1.self_attn.k_proj.weight"], weights["model.norm.weight"]
+        weights["model.layers.0.surprise.weight"] = torch.zeros(3)
+        return weights
+
+    path = edited_copy(engines.path("full-gqa"), tmp_path / "broken", broken)
+    engines.close()
+    with pytest.raises(Exception) as info:
+        free_llm(make_llm(path, enforce_eager=True))
+    chain, err = [], info.value
+    while err is not None:
+        chain.append(str(err))
+        err = err.__cause__ or err.__context__
+    message = "\n".join(chain)
+    assert "Missing keys (2)" in message and "Unexpected keys (1)" in message, message[-3000:]
+    for key in ("model.layers.1.self_attn.k_proj.weight", "model.norm.weight", "model.layers.0.surprise.weight"):
+        assert key in message

@@ -1,0 +1,115 @@
+"""The plugin's packaging and contracts, without starting an engine: entry point, idempotent
+registration, the `attnres-serve` command line, pipeline-parallel refusal, and `modeling_attnres`
+importable where vLLM is not installed."""
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from attnres.serving import cli
+from attnres.serving.builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY
+
+SERVING_DIR = Path(__file__).resolve().parents[2] / "serving"
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_entry_point_is_discoverable():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.name == "attnres"]
+    assert len(ours) == 1 and ours[0].value == "attnres.serving.plugin:register"
+    from attnres.serving.plugin import register
+    assert ours[0].load() is register
+
+
+def test_modeling_attnres_imports_without_vllm():
+    """`import vllm` is made to fail; the transformers model, the builtin helpers and the CLI module
+    still import, and a forward pass runs."""
+    result = run_python(
+        "import sys; sys.modules['vllm'] = None\n"
+        "import torch, modeling_attnres, attnres.serving.builtin, attnres.serving.cli\n"
+        "from modeling_attnres import AttnResConfig, AttnResForCausalLM\n"
+        "m = AttnResForCausalLM(AttnResConfig(vocab_size=11, hidden_size=8, intermediate_size=16,"
+        " num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))\n"
+        "print(tuple(m(torch.tensor([[1, 2, 3]])).logits.shape))\n"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("(1, 3, 11)")
+
+
+def test_modeling_attnres_does_not_import_vllm():
+    result = run_python("import sys, modeling_attnres; print('vllm' in sys.modules)")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "False"
+
+
+def test_model_module_has_no_postponed_annotations():
+    """vLLM's `support_torch_compile` reads the forward signature's annotations at decoration time."""
+    assert "from __future__ import annotations" not in (SERVING_DIR / "model.py").read_text()
+
+
+def test_register_twice_is_harmless():
+    pytest.importorskip("vllm")
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    from attnres.serving.model import AttnResForCausalLM
+    from attnres.serving.plugin import ARCHITECTURE, register
+    from modeling_attnres import AttnResConfig
+
+    register()
+    before = ModelRegistry.models[ARCHITECTURE]
+    register()
+    assert ModelRegistry.models[ARCHITECTURE] is before, "the second register() replaced the entry"
+    assert type(AutoConfig.for_model("attnres")) is AttnResConfig
+    assert ModelRegistry._try_load_model_cls(ARCHITECTURE) is AttnResForCausalLM
+
+
+def test_pipeline_parallel_is_refused():
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models.interfaces import supports_pp
+
+    from attnres.serving.model import AttnResForCausalLM, check_no_pipeline_parallel
+
+    assert not supports_pp(AttnResForCausalLM), "declaring SupportsPP would be a lie"
+    check_no_pipeline_parallel(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)))
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        check_no_pipeline_parallel(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2)))
+
+
+def test_serve_argv_defaults_to_builtin_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
+    argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
+    assert argv[0] == "serve" and Path(argv[1], "config.json").exists()
+    assert Path(argv[1]).parent == tmp_path
+    assert argv[2:] == ["--port", "9000", "--served-model-name", BUILTIN_SERVED_NAME, "--host", "127.0.0.1",
+                        "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
+    assert cli.serve_argv([BUILTIN_TINY], cpu=False, env={})[1] == argv[1]
+
+
+def test_serve_argv_respects_given_options():
+    argv = cli.serve_argv(["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M"], cpu=True, env={})
+    assert argv == ["serve", "org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M"]
+    argv = cli.serve_argv(["--model", "m"], cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+    assert argv == ["serve", "--model", "m", "--host", "127.0.0.1"]
+    assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1"]
+
+
+def test_vllm_version_lookup_works_after_patch():
+    result = run_python(
+        "import importlib.metadata as md\n"
+        "from attnres.serving.cli import installed_vllm, patch_vllm_version\n"
+        "patch_vllm_version(); patch_vllm_version()\n"
+        "print(md.version('vllm'), installed_vllm()[0], md.version('torch'))\n"
+    )
+    if "PackageNotFoundError" in result.stderr:
+        pytest.skip("no vLLM distribution installed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    patched, expected, torch_version = result.stdout.split()
+    assert patched == expected and torch_version

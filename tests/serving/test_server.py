@@ -1,0 +1,164 @@
+"""End to end: one real `attnres-serve` process for the module, driven by the `openai` client.
+
+The server serves the built-in tiny model in float32 on a free loopback port; every greedy answer is
+checked against transformers on the same checkpoint.
+"""
+
+import concurrent.futures
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from attnres.serving.builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY, ensure_builtin_model  # noqa: E402
+from attnres.serving.launcher import ServerProcess  # noqa: E402
+from tests.serving.engine import hf_greedy, load_hf  # noqa: E402
+
+MAX_MODEL_LEN = 128
+MAX_TOKENS = 8
+NO_EOS = {"ignore_eos": True}
+SERVER_ARGS = [
+    BUILTIN_TINY, "--dtype", "float32", "--kv-cache-memory-bytes", "64M", "--max-model-len", str(MAX_MODEL_LEN),
+    "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
+]
+PROMPTS = ["Hello", "The quick brown fox", "a", "AttnRes mixes depth.", "1 2 3 4", "\n", "Why?", "zzz zzz zzz"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("attnres-cache")
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir):
+    """The running server (started once for the module, its process group killed at the end)."""
+    env = {"ATTNRES_CACHE_DIR": str(cache_dir), "VLLM_ENABLE_V1_MULTIPROCESSING": None}
+    proc = ServerProcess(SERVER_ARGS, env=env, startup_timeout=420)
+    proc.start()
+    print(f"attnres-serve healthy after {proc.startup_seconds:.1f} s")
+    yield proc
+    proc.stop()
+    assert proc.proc is None
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir):
+    """`greedy(token_ids) -> next MAX_TOKENS token ids` from transformers, and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = ensure_builtin_model(cache_dir)
+    model, tokenizer = load_hf(path), AutoTokenizer.from_pretrained(path)
+    cache = {}
+
+    def greedy(ids: list[int]) -> list[int]:
+        if tuple(ids) not in cache:
+            cache[tuple(ids)] = hf_greedy(model, ids, MAX_TOKENS)[0]
+        return cache[tuple(ids)]
+
+    return greedy, tokenizer
+
+
+def complete(client, prompt: str, **kwargs):
+    return client.completions.create(model=BUILTIN_SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                     temperature=0.0, extra_body={**NO_EOS, "return_token_ids": True}, **kwargs)
+
+
+def expected_completion(reference, prompt: str) -> tuple[list[int], str]:
+    greedy, tokenizer = reference
+    ids = greedy(tokenizer(prompt)["input_ids"])
+    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [BUILTIN_SERVED_NAME]
+
+
+def test_completion_matches_transformers(client, reference):
+    for prompt in PROMPTS[:3]:
+        choice = complete(client, prompt).choices[0]
+        ids, text = expected_completion(reference, prompt)
+        assert choice.token_ids == ids, prompt
+        assert choice.text == text
+        assert choice.finish_reason == "length"
+
+
+def test_chat_uses_the_chat_template(client, reference):
+    greedy, tokenizer = reference
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
+    response = client.chat.completions.create(model=BUILTIN_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                              temperature=0.0, extra_body=NO_EOS)
+    assert response.choices[0].message.content == tokenizer.decode(greedy(ids), skip_special_tokens=True)
+    assert response.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_completion_and_chat(client, reference):
+    _, text = expected_completion(reference, PROMPTS[1])
+    stream = client.completions.create(model=BUILTIN_SERVED_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                       temperature=0.0, stream=True, extra_body=NO_EOS)
+    pieces = [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert len(pieces) >= 2 and "".join(pieces) == text
+
+    messages = [{"role": "user", "content": "stream please"}]
+    full = client.chat.completions.create(model=BUILTIN_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                          temperature=0.0, extra_body=NO_EOS).choices[0].message.content
+    stream = client.chat.completions.create(model=BUILTIN_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                            temperature=0.0, stream=True, extra_body=NO_EOS)
+    deltas = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len(deltas) >= 2 and "".join(deltas) == full
+
+
+def test_n_and_sampling_parameters(client):
+    kwargs = dict(model=BUILTIN_SERVED_NAME, prompt="Sample", max_tokens=6, n=3, temperature=1.0, top_p=0.9,
+                  seed=7, extra_body={**NO_EOS, "top_k": 20}, logprobs=2)
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert all(len(c.logprobs.tokens) == 6 for c in first.choices)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices], "seeded sampling must repeat"
+    assert first.usage.completion_tokens == 18
+
+
+def test_32_concurrent_requests_all_correct(client, reference):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+        answers = list(pool.map(lambda p: complete(client, p).choices[0], prompts, timeout=300))
+    for prompt, choice in zip(prompts, answers):
+        assert choice.token_ids == expected_completion(reference, prompt)[0], prompt
+
+
+def assert_still_serving(server, client):
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+        assert response.status == 200
+    assert complete(client, "still there?").choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(prompt="x" * (MAX_MODEL_LEN + 50)),                       # longer than the context
+    dict(prompt="ok", temperature=-1.0),
+    dict(prompt="ok", n=0),
+    dict(prompt="ok", max_tokens=-3),
+    dict(prompt="ok", top_p=1.5),
+], ids=["too-long", "temperature", "n", "max_tokens", "top_p"])
+def test_bad_requests_get_400_and_server_keeps_serving(server, client, bad):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=BUILTIN_SERVED_NAME, **{"max_tokens": 4, **bad})
+    assert err.value.status_code == 400
+    assert_still_serving(server, client)
+
+
+def test_unknown_model_gets_404_and_server_keeps_serving(server, client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert err.value.status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert_still_serving(server, client)
