@@ -24,7 +24,7 @@ test: install
 	$(PY) -m pytest tests
 
 serve: install
-	$(PY) examples/generate.py
+	$(VENV)/bin/attnres-serve --host 127.0.0.1 --port $${PORT:-8000}
 
 demo: install
 	$(PY) examples/generate.py
