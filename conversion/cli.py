@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="layers per block (default: ceil(layers / 8), about 8 blocks)")
     p.add_argument("--mode", choices=("block", "full"), default="block", help="Block or Full AttnRes")
     p.add_argument("--stream-scale", type=float, help="scale s of the residual stream for standard models "
-                   "(default: the smallest power of two >= the most sources any site mixes; 1 keeps weights identical)")
+                   "(default: the smallest power of two >= the most sources any site mixes, or 1 for float16 output, "
+                   "whose range is small; 1 keeps the weights identical)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="output dtype (default: the source's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip running both models")

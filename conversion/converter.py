@@ -35,8 +35,8 @@ class ConvertOptions:
     """Knobs of a conversion; the defaults are what `attnres-convert SRC DST` does.
 
     block_size: layers per block (default ceil(L/8), about 8 blocks). mode: "block" or "full".
-    stream_scale: residual-stream scale s for standard models (default: see `default_stream_scale`;
-    1 leaves the weights bit-identical). dtype: "auto" (the source's) or a name in `DTYPES`.
+    stream_scale: residual-stream scale s for standard models (default: see `default_stream_scale`,
+    1 for float16 output; 1 leaves the weights bit-identical). dtype: "auto" (the source's) or a name in `DTYPES`.
     seed_block_size / config_path: for state-dict files (block size in sublayers; config json).
     """
 
@@ -64,6 +64,7 @@ class Plan:
     config: AttnResConfig
     ctx: TransformContext
     folder: Optional[Path]           # where side files (tokenizer, ...) and the source model live
+    dtype: torch.dtype               # of the output
 
 
 @dataclass
@@ -87,6 +88,16 @@ def _read_json(path: Path) -> dict:
         raise ConversionError(f"Cannot read {path} as JSON: {err}; fix or replace the file.") from err
 
 
+def output_dtype(source: TensorSource, name: str) -> torch.dtype:
+    """The dtype named by --dtype; "auto" is the source embedding's (the one tensor every layout has)."""
+    if name == "auto":
+        keys = list(source.keys())
+        return source.get(next((k for k in keys if "embed_tokens" in k), keys[0])).dtype
+    if name not in DTYPES:
+        raise ConversionError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
 def _reject_options(options: ConvertOptions, names: tuple[str, ...], why: str) -> None:
     """Options that do not apply to this kind of source are an error, not silently ignored."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(options, n) != getattr(ConvertOptions(), n)]
@@ -101,7 +112,9 @@ def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOpt
                     "if its config lacks one) and its weights are not rescaled.")
     state_dict = normalize_keys({k: source.get(k) for k in source.keys()})
     target = attnres_config_from_seed(config, state_dict, options.seed_block_size)
-    return Plan("attnres", StateDictSource(state_dict), SEED_RULES, (), target, TransformContext(), folder)
+    source = StateDictSource(state_dict)
+    return Plan("attnres", source, SEED_RULES, (), target, TransformContext(), folder,
+                output_dtype(source, options.dtype))
 
 
 def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
@@ -129,11 +142,17 @@ def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
     layout = architecture_of(src_config)
     config = attnres_config_from_standard(src_config, block_size=options.block_size, mode=options.mode,
                                           clip_to_window=options.clip_to_window)
-    scale = options.stream_scale if options.stream_scale is not None else default_stream_scale(config)
+    source = open_checkpoint(folder)
+    dtype = output_dtype(source, options.dtype)
+    scale = options.stream_scale
+    if scale is None:
+        # float16 tops out at 65504 and real models carry residual outliers in the thousands: never
+        # scale by default there (pass --stream-scale to accept the risk).
+        scale = 1.0 if dtype == torch.float16 else default_stream_scale(config)
     if not scale > 0:
         raise ConversionError(f"--stream-scale must be positive, got {scale}.")
     ctx = TransformContext(stream_scale=float(scale), tied=config.tie_word_embeddings)
-    return Plan(layout, open_checkpoint(folder), STANDARD_RULES, standard_fills(src_config), config, ctx, folder)
+    return Plan(layout, source, STANDARD_RULES, standard_fills(src_config), config, ctx, folder, dtype)
 
 
 def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
@@ -155,25 +174,16 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
     return _plan_standard(src_path, options)
 
 
-def _output_dtype(plan: Plan, name: str) -> torch.dtype:
-    if name == "auto":  # the embedding's dtype: the one tensor every layout has
-        keys = list(plan.source.keys())
-        return plan.source.get(next((k for k in keys if "embed_tokens" in k), keys[0])).dtype
-    if name not in DTYPES:
-        raise ConversionError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
-    return DTYPES[name]
-
-
-def write_model(plan: Plan, out: Path, dtype: torch.dtype, max_shard_size: str) -> None:
+def write_model(plan: Plan, out: Path, max_shard_size: str) -> None:
     """Map the tensors into a meta-device AttnRes model and save it (safetensors, config, auto_map,
     modeling files). Only the converted tensors are ever materialised."""
     with torch.device("meta"):
         model = AttnResForCausalLM(plan.config)
-    tensors = apply_key_map(plan.source, plan.rules, plan.fills, target_shapes(model), plan.ctx, dtype)
+    tensors = apply_key_map(plan.source, plan.rules, plan.fills, target_shapes(model), plan.ctx, plan.dtype)
     model.load_state_dict(tensors, strict=False, assign=True)
     if plan.config.tie_word_embeddings:
         model.tie_weights()
-    model.config.dtype = dtype
+    model.config.dtype = plan.dtype
     model.save_pretrained(out, max_shard_size=max_shard_size)
 
 
@@ -184,11 +194,10 @@ def convert(src: str | Path, dst: str | Path, options: Optional[ConvertOptions] 
     dst = Path(dst).expanduser().resolve()
     check_destination(dst, src_path, options.overwrite)
     plan = plan_conversion(src_path, options)
-    dtype = _output_dtype(plan, options.dtype)
-    result = ConversionResult(str(src), dst, plan.layout, plan.config, plan.ctx.stream_scale, dtype)
+    result = ConversionResult(str(src), dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype)
     tmp = staging_dir(dst)
     try:
-        write_model(plan, tmp, dtype, options.max_shard_size)
+        write_model(plan, tmp, options.max_shard_size)
         if plan.folder is not None:
             result.copied_files = copy_side_files(plan.folder, tmp)
         if options.verify:

@@ -75,6 +75,16 @@ def test_weights_are_carried_bit_exactly_with_unit_scale(tmp_path):
     assert not converted["model.layers.0.self_attn.o_proj.bias"].any()
 
 
+def test_float16_output_is_not_scaled_by_default(tmp_path):
+    src = source_model("mistral", eps=0.0)
+    save_source(src, tmp_path / "src", shards=False)
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False, dtype="float16"))
+    assert result.stream_scale == 1.0  # float16 overflows at 65504: no default scaling
+    with safe_open(tmp_path / "dst" / "model.safetensors", "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert embed.dtype == torch.float16 and torch.equal(embed, src.model.embed_tokens.weight.half())
+
+
 def test_cli_verifies_and_keeps_tokenizer_chat_template_and_generation_config(tmp_path, capsys):
     src = source_model("llama_tied_bias", eps=1e-6)
     src.generation_config.temperature, src.generation_config.do_sample = 0.7, True
