@@ -1,0 +1,116 @@
+"""The OpenAI endpoint under load: 1, 8 and 32 concurrent clients against `attnres-serve`.
+
+    python bench/bench_server.py                          # the built-in default model
+    python bench/bench_server.py --model PATH --concurrency 1 8 32 --requests-per-client 4
+
+Starts one server on a free loopback port (127.0.0.1 only) and stops its process group at the end.
+Each client sends `--requests-per-client` completions one after another (bounded: no open-ended
+loop), `max_tokens` new tokens each with `ignore_eos`, so every request generates the same amount.
+Reports requests/s, generated tokens/s, p50/p99 latency and errors, then the same prompts through
+transformers `generate()` as one batch of the largest concurrency, for the tokens/s ratio.
+"""
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import markdown_table  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "for i in range("]
+
+
+async def client(api, model, n_requests, max_tokens, latencies, errors, counter):
+    for i in range(n_requests):
+        start = time.perf_counter()
+        try:
+            resp = await api.completions.create(model=model, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
+                                                temperature=0.0, extra_body={"ignore_eos": True,
+                                                                             "min_tokens": max_tokens})
+            counter.append(resp.usage.completion_tokens)
+            latencies.append(time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 — every failure is counted and reported
+            errors.append(repr(exc))
+
+
+async def load(url, model, concurrency, n_requests, max_tokens):
+    from openai import AsyncOpenAI
+
+    api = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    latencies, errors, tokens = [], [], []
+    start = time.perf_counter()
+    await asyncio.gather(*(client(api, model, n_requests, max_tokens, latencies, errors, tokens)
+                           for _ in range(concurrency)))
+    seconds = time.perf_counter() - start
+    await api.close()
+    lat = sorted(latencies) or [float("nan")]
+    p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
+    return dict(concurrency=concurrency, requests=len(latencies), seconds=seconds, tokens=sum(tokens),
+                p50=statistics.median(lat), p99=p99, errors=errors)
+
+
+def transformers_tokens_per_second(model_path, batch, max_tokens) -> float:
+    """transformers `generate()` on `batch` prompts at once (left-padded), the same `max_tokens`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_attnres  # noqa: F401
+
+    tok = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+        seconds = time.perf_counter() - start
+    return (out.shape[1] - enc["input_ids"].shape[1]) * batch / seconds
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from attnres.serving.builtin import resolve_model
+    from attnres.serving.launcher import ServerProcess
+
+    model_path = resolve_model(args.model)
+    server_args = [model_path, "--served-model-name", "bench", "--max-num-seqs", str(max(args.concurrency))]
+    if args.enforce_eager:
+        server_args.append("--enforce-eager")
+    rows = []
+    with ServerProcess(server_args) as server:
+        print(f"server ready in {server.startup_seconds:.1f} s ({model_path})\n")
+        asyncio.run(load(server.url, "bench", 1, 1, 4))                       # warm-up
+        for c in args.concurrency:
+            r = asyncio.run(load(server.url, "bench", c, args.requests_per_client, args.max_tokens))
+            rows.append([c, r["requests"], f"{r['requests'] / r['seconds']:.2f}", f"{r['tokens'] / r['seconds']:.1f}",
+                         f"{r['p50'] * 1e3:.0f}", f"{r['p99'] * 1e3:.0f}", len(r["errors"])])
+            if r["errors"]:
+                print(f"errors at concurrency {c}: {r['errors'][:3]}")
+    print(markdown_table(["clients", "requests", "req/s", "gen tok/s", "p50 ms", "p99 ms", "errors"], rows))
+    if not args.skip_transformers:
+        top = max(args.concurrency)
+        hf = transformers_tokens_per_second(model_path, top, args.max_tokens)
+        served = float(rows[-1][3])
+        print(f"\ntransformers generate(), batch {top}: {hf:.1f} tok/s; vLLM server at {top} clients: "
+              f"{served:.1f} tok/s; ratio **{served / hf:.2f}x**")
+
+
+def parse_args(argv):
+    from attnres.serving.builtin import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--skip-transformers", action="store_true")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
