@@ -22,8 +22,8 @@ from .checkpoint_io import (STATE_DICT_SUFFIXES, StateDictSource, check_destinat
 from .errors import ConversionError
 from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, target_shapes
 from .model_card import write_model_card
-from .seed import SEED_RULES, attnres_config_from_seed, normalize_keys
-from .standard import (DEPTH_FILLS, STANDARD_RULES, architecture_of, attnres_config_from_standard,
+from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
+from .standard import (STANDARD_RULES, architecture_of, attnres_config_from_standard,
                        default_stream_scale, standard_fills)
 from .verify import VerifyReport, verify_attnres_layout, verify_standard
 
@@ -110,9 +110,8 @@ def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOpt
     _reject_options(options, ("block_size", "mode", "stream_scale", "clip_to_window"),
                     "SRC is already an AttnRes model, its block structure is kept (set --seed-block-size "
                     "if its config lacks one) and its weights are not rescaled.")
-    state_dict = normalize_keys({k: source.get(k) for k in source.keys()})
-    target = attnres_config_from_seed(config, state_dict, options.seed_block_size)
-    source = StateDictSource(state_dict)
+    source = NormalizedSource(source)
+    target = attnres_config_from_seed(config, source.keys(), options.seed_block_size)
     return Plan("attnres", source, SEED_RULES, (), target, TransformContext(), folder,
                 output_dtype(source, options.dtype))
 
@@ -211,4 +210,4 @@ def convert(src: str | Path, dst: str | Path, options: Optional[ConvertOptions] 
     return result
 
 
-__all__ = ["ConvertOptions", "ConversionResult", "convert", "plan_conversion", "DEPTH_FILLS"]
+__all__ = ["ConvertOptions", "ConversionResult", "convert", "plan_conversion"]

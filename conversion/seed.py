@@ -8,7 +8,7 @@ block of one sublayer is Full AttnRes (every sublayer its own source), and any o
 equivalent. The seed has no name for the output site; we accept `final_attn_res_*`,
 `output_attn_res_*`, `out_attn_res_*` and `final_res_*`, with or without the `model.` prefix.
 Training scripts often wrap the model (DDP's `module.`, torch.compile's `_orig_mod.`) or save the
-inner model without `model.`; `normalize_keys` undoes that before the table applies.
+inner model without `model.`; `normalize_key` undoes that before the table applies.
 
 Assumption: the seed's layer counter is 0-based and a block closes at `layer % (block_size // 2) == 0`,
 which is the spec's schedule (K3 wins where sources differ).
@@ -16,15 +16,15 @@ which is the spec's schedule (K3 wins where sources differ).
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from modeling_attnres import AttnResConfig
 
-from .errors import ConversionError
-from .keymap import Rule
+from .errors import ConversionError, listing
+from .keymap import Rule, TensorSource
 from .standard import LAYER
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -67,17 +67,32 @@ SEED_RULES = (
 )
 
 
-def normalize_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def normalize_key(key: str) -> str:
     """Strip training wrappers (`module.`, `_orig_mod.`) and add the `model.` prefix where the inner
     model was saved on its own. `lm_head.` stays top-level, as in transformers."""
-    out = {}
-    for key, tensor in state_dict.items():
-        while key.startswith(WRAPPER_PREFIXES):
-            key = key.split(".", 1)[1]
-        if not key.startswith(("model.", "lm_head.")):
-            key = f"model.{key}"
-        out[key] = tensor
-    return out
+    while key.startswith(WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
+
+
+class NormalizedSource:
+    """A tensor source seen through `normalize_key`, still lazy."""
+
+    def __init__(self, source: TensorSource):
+        self._source = source
+        self._original = {}
+        for key in source.keys():
+            self._original.setdefault(normalize_key(key), []).append(key)
+        twice = [f"{' and '.join(keys)}" for keys in self._original.values() if len(keys) > 1]
+        if twice:
+            raise ConversionError(f"Keys that differ only by a wrapper prefix: {listing(twice)}; "
+                                  "save the checkpoint from one module only.")
+
+    def keys(self) -> Iterable[str]:
+        return self._original.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._source.get(self._original[key][0])
 
 
 def block_size_from_sublayers(sublayers: int) -> dict:
@@ -93,17 +108,16 @@ def block_size_from_sublayers(sublayers: int) -> dict:
     return {"attn_res_mode": "block", "attn_res_block_size": sublayers // 2}
 
 
-def _infer_flags(state_dict: dict[str, torch.Tensor], fields: dict) -> None:
+def _infer_flags(keys: Iterable[str], fields: dict) -> None:
     """Booleans a training config often omits but the weights show."""
-    keys = state_dict.keys()
+    keys = set(keys)
     fields.setdefault("tie_word_embeddings", "lm_head.weight" not in keys)
     fields.setdefault("qk_norm", any(k.endswith("self_attn.q_norm.weight") for k in keys))
     fields.setdefault("attention_bias", any(k.endswith("self_attn.q_proj.bias") for k in keys))
     fields.setdefault("mlp_bias", any(k.endswith("mlp.gate_proj.bias") for k in keys))
 
 
-def attnres_config_from_seed(config: dict, state_dict: dict[str, torch.Tensor],
-                             seed_block_size: Optional[int] = None) -> AttnResConfig:
+def attnres_config_from_seed(config: dict, keys: Iterable[str], seed_block_size: Optional[int] = None) -> AttnResConfig:
     """An AttnResConfig from a training-script config dict (Llama field names).
 
     The seed's `block_size` (sublayers) or `seed_block_size` sets the block size; a config that is
@@ -121,7 +135,7 @@ def attnres_config_from_seed(config: dict, state_dict: dict[str, torch.Tensor],
             "The seed checkpoint's block size is unknown: its config has no `block_size` (in sublayers). "
             "Pass --seed-block-size N (sublayers per block, as in the seed pseudo-code)."
         )
-    _infer_flags(state_dict, fields)
+    _infer_flags(keys, fields)
     fields["architectures"] = ["AttnResForCausalLM"]
     try:
         return AttnResConfig(**fields)
