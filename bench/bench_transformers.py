@@ -45,14 +45,14 @@ def decode_fn(model, prompt: torch.Tensor, new_tokens: int):
 
 def time_workloads(args, dtype_name: str) -> list[list]:
     dtype = DTYPES[dtype_name]
-    models = {kind: build(kind, args, dtype) for kind in ("attnres", "llama")}
+    models = {kind: build(kind, args, dtype, device=args.device) for kind in ("attnres", "llama")}
     gen = torch.Generator().manual_seed(0)
     rows = []
-    tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), generator=gen)
+    tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), generator=gen).to(args.device)
     med = alternate({k: prefill_fn(m, tokens) for k, m in models.items()}, args.repeats)
     rows.append(row(f"prefill 1x{args.prefill_tokens}", dtype_name, med, args.prefill_tokens))
     for batch in args.decode_batches:
-        prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_tokens), generator=gen)
+        prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_tokens), generator=gen).to(args.device)
         med = alternate({k: decode_fn(m, prompt, args.new_tokens) for k, m in models.items()}, args.repeats)
         rows.append(row(f"decode {batch}x{args.new_tokens} (prompt {args.prompt_tokens})", dtype_name, med,
                         batch * args.new_tokens))
@@ -91,6 +91,26 @@ def memory_rows(args) -> list[list]:
     return rows
 
 
+def cuda_memory_rows(args) -> list[list]:
+    """Peak allocated GPU memory of the prefill, per model and dtype (one model on the GPU at a time)."""
+    rows = []
+    for dtype_name in args.dtypes:
+        res = {}
+        for kind in ("attnres", "llama"):
+            torch.cuda.empty_cache()
+            model = build(kind, args, DTYPES[dtype_name], device=args.device)
+            built = torch.cuda.memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+            tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), device=args.device)
+            prefill_fn(model, tokens)()
+            res[kind] = (torch.cuda.max_memory_allocated() / 2**20, built)
+            del model
+        (a, a0), (l, l0) = res["attnres"], res["llama"]
+        rows.append([f"peak allocated, prefill 1x{args.prefill_tokens}", dtype_name, f"{a:.0f}", f"{l:.0f}",
+                     f"{a - a0:.0f}", f"{l - l0:.0f}", f"**{a / l:.3f}**"])
+    return rows
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
@@ -101,6 +121,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     parser.add_argument("--memory-probe", choices=("attnres", "llama"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -117,7 +138,11 @@ def main(argv=None) -> None:
     rows = [r for dtype_name in args.dtypes for r in time_workloads(args, dtype_name)]
     print(markdown_table(["workload", "dtype", "AttnRes ms", "Llama ms", "AttnRes tok/s", "Llama tok/s",
                           "ratio"], rows))
-    if not args.no_memory:
+    if args.device.startswith("cuda") and not args.no_memory:
+        print()
+        print(markdown_table(["memory", "dtype", "AttnRes MiB", "Llama MiB", "AttnRes act. MiB",
+                              "Llama act. MiB", "ratio"], cuda_memory_rows(args)))
+    elif not args.no_memory:
         print()
         print(markdown_table(["memory", "dtype", "AttnRes MiB", "Llama MiB", "AttnRes act. MiB",
                               "Llama act. MiB", "ratio"], memory_rows(args)))

@@ -31,15 +31,22 @@ def configs(args: argparse.Namespace) -> tuple[AttnResConfig, LlamaConfig]:
     return attnres, LlamaConfig(**common)
 
 
-def build(kind: str, args: argparse.Namespace, dtype: torch.dtype, attn: str = "sdpa") -> torch.nn.Module:
+def build(kind: str, args: argparse.Namespace, dtype: torch.dtype, attn: str = "sdpa",
+          device: str = "cpu") -> torch.nn.Module:
     """A randomly initialised model of `kind` ("attnres" or "llama") in `dtype`, eval mode."""
     attnres_cfg, llama_cfg = configs(args)
     torch.manual_seed(0)
     cls, cfg = (AttnResForCausalLM, attnres_cfg) if kind == "attnres" else (LlamaForCausalLM, llama_cfg)
     cfg._attn_implementation = attn
-    with torch.device("cpu"):
+    with torch.device(device):
         model = cls(cfg).to(dtype).eval()
     return model
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work, so that wall-clock timings are real (no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def alternate(runs: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
@@ -50,8 +57,10 @@ def alternate(runs: dict[str, Callable[[], None]], repeats: int, warmup: int = 1
     times = {name: [] for name in runs}
     for _ in range(repeats):
         for name, fn in runs.items():
+            synchronize()
             start = time.perf_counter()
             fn()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
