@@ -200,8 +200,9 @@ def convert(src: str | Path, dst: str | Path, options: Optional[ConvertOptions] 
         if plan.folder is not None:
             result.copied_files = copy_side_files(plan.folder, tmp)
         if options.verify:
-            result.verification = (verify_standard(plan.folder, tmp, plan.config, plan.ctx.stream_scale)
-                                   if plan.layout != "attnres" else verify_attnres_layout(plan, tmp))
+            result.verification = (
+                verify_standard(plan.folder, tmp, plan.config, plan.ctx.stream_scale, plan.dtype)
+                if plan.layout != "attnres" else verify_attnres_layout(plan, tmp))
         write_model_card(tmp, result)
         publish(tmp, dst)
     except BaseException:

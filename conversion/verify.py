@@ -107,13 +107,24 @@ def _load(path: Path, **kwargs):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
-def verify_standard(src: Path, converted: Path, config: AttnResConfig, stream_scale: float) -> VerifyReport:
-    """Run the source and the converted checkpoint on the prompts and compare."""
+@torch.no_grad()
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round every weight to `dtype` (kept in float32), as the conversion did to the output."""
+    for param in model.parameters():
+        param.copy_(param.to(dtype).float())
+
+
+def verify_standard(src: Path, converted: Path, config: AttnResConfig, stream_scale: float,
+                    dtype: torch.dtype = torch.float32) -> VerifyReport:
+    """Run the source and the converted checkpoint (output dtype `dtype`) on the prompts and compare.
+    The spec's prediction is made from the source weights rounded to `dtype`, so that it isolates
+    the eps effect; the headline difference includes the rounding."""
     steps = tqdm(total=5, desc="Verifying", unit="step")
     ids = prompt_ids(src, config.vocab_size)
     source = _load(src)
     ref_logits, ref_tokens = _logits(source, ids), _greedy(source, ids)
     steps.update(2)
+    round_weights(source, dtype)
     apply_predicted_eps(source, config, stream_scale)
     predicted = _logits(source, ids)
     del source
