@@ -28,6 +28,10 @@ class Rule:
     target: Optional[str]
     transform: str = "copy"
 
+    def __post_init__(self):
+        if self.transform not in TRANSFORMS:  # a typo in a table fails at import, not mid-conversion
+            raise ValueError(f"Rule {self.sources}: unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}")
+
 
 @dataclass(frozen=True)
 class Fill:
@@ -35,6 +39,10 @@ class Fill:
 
     target: str
     filler: str
+
+    def __post_init__(self):
+        if self.filler not in FILLERS:
+            raise ValueError(f"Fill {self.target}: unknown filler {self.filler!r}; known: {sorted(FILLERS)}")
 
 
 @dataclass(frozen=True)
@@ -147,18 +155,18 @@ def target_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
 
 
 def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[Fill],
-                  target_shapes: Mapping[str, torch.Size], ctx: TransformContext,
+                  shapes: Mapping[str, torch.Size], ctx: TransformContext,
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every target tensor, converted to `dtype`. Raises listing leftover, unfilled or misshapen keys."""
     plan = plan_key_map(list(source.keys()), rules)
-    foreign = [f"{src} -> {tgt}" for tgt, (src, _) in plan.items() if tgt not in target_shapes]
+    foreign = [f"{src} -> {tgt}" for tgt, (src, _) in plan.items() if tgt not in shapes]
     if foreign:
         raise ConversionError(
             f"Source key(s) map to target keys the AttnRes model does not have: {listing(foreign)}. "
             "The target config disagrees with the checkpoint (e.g. a bias or q/k norm the config turns off)."
         )
-    fillers = _fill_targets([k for k in target_shapes if k not in plan], fills)
-    unfilled = [k for k in target_shapes if k not in plan and k not in fillers]
+    fillers = _fill_targets([k for k in shapes if k not in plan], fills)
+    unfilled = [k for k in shapes if k not in plan and k not in fillers]
     if unfilled:
         raise ConversionError(
             f"{len(unfilled)} AttnRes parameter(s) have no source tensor and no filler: {listing(unfilled)}. "
@@ -168,8 +176,8 @@ def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[F
     out, bad = {}, []
     for target, (key, transform) in tqdm(sorted(plan.items()), desc="Converting tensors", unit="tensor"):
         tensor = TRANSFORMS[transform](source.get(key), ctx)
-        if tuple(tensor.shape) != tuple(target_shapes[target]):
-            bad.append(f"{key}: {tuple(tensor.shape)} (expected {tuple(target_shapes[target])} for {target})")
+        if tuple(tensor.shape) != tuple(shapes[target]):
+            bad.append(f"{key}: {tuple(tensor.shape)} (expected {tuple(shapes[target])} for {target})")
             continue
         out[target] = tensor.to(dtype).contiguous()
     if bad:
@@ -179,5 +187,5 @@ def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[F
             "describe these weights; fix the config or pass the checkpoint it belongs to."
         )
     for key, filler in fillers.items():
-        out[key] = FILLERS[filler](target_shapes[key], dtype)
+        out[key] = FILLERS[filler](shapes[key], dtype)
     return out

@@ -117,3 +117,14 @@ def test_training_config_junk_is_dropped_and_inapplicable_options_refused(tmp_pa
         convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(verify=False))
     saved = json.loads((tmp_path / "dst" / "config.json").read_text())
     assert "lr" not in saved and saved["rope_parameters"]["rope_theta"] == 5e5
+
+
+def test_two_naming_variants_of_one_tensor_are_refused(tmp_path):
+    model = tiny_model(seed=12)
+    sd = seed_state_dict(model)
+    sd["module.layers.1.self_attention_res_norm.weight"] = sd["module.layers.1.attn_res_norm.weight"].clone()
+    torch.save({"model": sd, "config": seed_config(model, 4)}, tmp_path / "ckpt.pt")
+    with pytest.raises(ConversionError, match=r"model\.layers\.1\.self_attention_res_norm\.weight <- "
+                                              r"model\.layers\.1\.(attn_res|self_attention_res)_norm\.weight and"):
+        convert(tmp_path / "ckpt.pt", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
