@@ -23,8 +23,8 @@ from .errors import ConversionError
 from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, target_shapes
 from .model_card import write_model_card
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
-from .standard import (STANDARD_RULES, architecture_of, attnres_config_from_standard,
-                       default_stream_scale, standard_fills)
+from .standard import (architecture_of, attnres_config_from_standard, default_stream_scale, standard_fills,
+                       standard_rules)
 from .verify import VerifyReport, verify_attnres_layout, verify_standard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,7 +151,8 @@ def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
     if not scale > 0:
         raise ConversionError(f"--stream-scale must be positive, got {scale}.")
     ctx = TransformContext(stream_scale=float(scale), tied=config.tie_word_embeddings)
-    return Plan(layout, source, STANDARD_RULES, standard_fills(src_config), config, ctx, folder, dtype)
+    rules = standard_rules(config, source)
+    return Plan(layout, source, rules, standard_fills(src_config), config, ctx, folder, dtype)
 
 
 def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:

@@ -18,13 +18,14 @@ carry over unchanged; what the converter adds is:
 import math
 from typing import Optional
 
+import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 from modeling_attnres import AttnResConfig
 
 from .errors import ConversionError
-from .keymap import Fill, Rule
+from .keymap import Fill, Rule, TensorSource
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # Rope types whose tables LlamaRotaryEmbedding computes over the full head dimension.
@@ -56,6 +57,9 @@ STANDARD_RULES = (
     # Old exports store the rotary table; AttnRes recomputes it from rope_parameters.
     Rule((f"{LAYER}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"), None),
 )
+
+# Some exports store a tied head anyway; it is dropped once it is checked to equal the embedding.
+TIED_HEAD_RULE = Rule(("lm_head.weight",), None)
 
 DEPTH_FILLS = (
     Fill(f"{LAYER}.self_attention_res_proj.weight", "zeros"),
@@ -146,6 +150,19 @@ def attnres_config_from_standard(config: PretrainedConfig, *, block_size: Option
         return AttnResConfig(**fields)
     except (ValueError, TypeError, StrictDataclassError) as err:
         raise ConversionError(f"The converted config is invalid: {err}") from err
+
+
+def standard_rules(config: AttnResConfig, source: TensorSource) -> tuple[Rule, ...]:
+    """The standard table; for a tied model whose export also stores lm_head, that copy is dropped
+    after checking it is the embedding (a differing head means the config's tie flag is wrong)."""
+    if not config.tie_word_embeddings or "lm_head.weight" not in source.keys():
+        return STANDARD_RULES
+    if not torch.equal(source.get("lm_head.weight"), source.get("model.embed_tokens.weight")):
+        raise ConversionError(
+            "tie_word_embeddings is true but the checkpoint stores an lm_head.weight that differs from "
+            "model.embed_tokens.weight; if the head is separate, set tie_word_embeddings to false in config.json."
+        )
+    return (TIED_HEAD_RULE, *STANDARD_RULES)   # the first matching rule wins
 
 
 def standard_fills(config: PretrainedConfig) -> tuple[Fill, ...]:

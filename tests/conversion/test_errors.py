@@ -91,6 +91,16 @@ def test_leftover_and_unfilled_keys_are_listed(tmp_path):
                           r"model\.norm\.weight")
 
 
+def test_stored_tied_head_must_equal_the_embedding(tmp_path):
+    src = save_source(source_model("qwen2_tied"), tmp_path / "src", shards=False)
+    weights = load_file(src / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    save_file({**weights, "lm_head.weight": embed.clone()}, src / "model.safetensors")
+    convert(src, tmp_path / "ok", ConvertOptions(verify=False))        # an export that stores the tied head
+    save_file({**weights, "lm_head.weight": embed + 1}, src / "model.safetensors")
+    refuse(tmp_path, src, "tie_word_embeddings is true but the checkpoint stores an lm_head.weight that differs")
+
+
 def test_existing_destination_needs_overwrite(tmp_path, llama_src, capsys):
     dst = tmp_path / "dst"
     dst.mkdir()
