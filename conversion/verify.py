@@ -55,8 +55,9 @@ class VerifyReport:
 
     @property
     def prediction_holds(self) -> bool:
-        """The converted model equals the eps-adjusted source up to float32 rounding."""
-        return self.vs_prediction is not None and self.vs_prediction <= 1e-5 * self.logit_scale
+        """The converted model equals the eps-adjusted source up to float32 rounding (which grows with
+        depth; 1e-4 of the largest logit leaves room for deep models and is far below a real bug)."""
+        return self.vs_prediction is not None and self.vs_prediction <= 1e-4 * self.logit_scale
 
 
 def prompt_ids(folder: Optional[Path], vocab_size: int) -> list[torch.Tensor]:
