@@ -25,9 +25,10 @@ from modeling_attnres import AttnResConfig
 
 from .errors import ConversionError, listing
 from .keymap import Rule, TensorSource
-from .standard import LAYER
+from .standard import LAYER, ROTARY_TABLES, same_keys
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+OUTPUT_SITE_NAMES = ("final_attn_res", "output_attn_res", "out_attn_res", "final_res")
 # Config keys an AttnResConfig understands: its fields plus Llama's legacy rope spellings.
 CONFIG_KEYS = {f.name for f in dataclasses.fields(AttnResConfig)} | {"rope_theta", "rope_scaling"}
 NOT_CARRIED_KEYS = {"block_size", "model_type", "auto_map", "architectures", "transformers_version"}
@@ -39,7 +40,6 @@ def _split_config(config: dict) -> tuple[dict, list[str]]:
     bookkeeping = set(AttnResConfig().to_dict()) | {"torch_dtype"}
     fields = {k: v for k, v in config.items() if k in CONFIG_KEYS and k not in NOT_CARRIED_KEYS}
     return fields, sorted(set(config) - CONFIG_KEYS - NOT_CARRIED_KEYS - bookkeeping)
-OUTPUT_SITE_NAMES = ("final_attn_res", "output_attn_res", "out_attn_res", "final_res")
 
 
 def _site(ours: str, *theirs: str) -> tuple[Rule, ...]:
@@ -48,22 +48,18 @@ def _site(ours: str, *theirs: str) -> tuple[Rule, ...]:
             Rule(tuple(f"{n}_norm.weight" for n in names), f"{ours}_norm.weight"))
 
 
-def _same(*keys: str) -> tuple[Rule, ...]:
-    return tuple(Rule((k,), k) for k in keys)
-
-
 SEED_RULES = (
-    *_same("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
-    *_same(*(f"{LAYER}.self_attn.{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias"))),
-    *_same(f"{LAYER}.self_attn.q_norm.weight", f"{LAYER}.self_attn.k_norm.weight"),
-    *_same(*(f"{LAYER}.mlp.{p}_proj.{t}" for p in ("gate", "up", "down") for t in ("weight", "bias"))),
+    *same_keys("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
+    *same_keys(*(f"{LAYER}.self_attn.{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias"))),
+    *same_keys(f"{LAYER}.self_attn.q_norm.weight", f"{LAYER}.self_attn.k_norm.weight"),
+    *same_keys(*(f"{LAYER}.mlp.{p}_proj.{t}" for p in ("gate", "up", "down") for t in ("weight", "bias"))),
     Rule((f"{LAYER}.input_layernorm.weight", f"{LAYER}.attn_norm.weight"), f"{LAYER}.input_layernorm.weight"),
     Rule((f"{LAYER}.post_attention_layernorm.weight", f"{LAYER}.mlp_norm.weight"),
          f"{LAYER}.post_attention_layernorm.weight"),
     *_site(f"{LAYER}.self_attention_res", f"{LAYER}.attn_res"),
     *_site(f"{LAYER}.mlp_res"),
     *_site("model.output_attn_res", *(f"model.{n}" for n in OUTPUT_SITE_NAMES if n != "output_attn_res")),
-    Rule((f"{LAYER}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"), None),
+    ROTARY_TABLES,
 )
 
 

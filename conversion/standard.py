@@ -40,22 +40,25 @@ SHARED_FIELDS = (
 LAYER = "model.layers.{i}"
 
 
-def _same(*keys: str, transform: str = "copy") -> tuple[Rule, ...]:
+def same_keys(*keys: str, transform: str = "copy") -> tuple[Rule, ...]:
+    """Rules that keep each key's name (and apply `transform`)."""
     return tuple(Rule((k,), k, transform) for k in keys)
 
 
+# Old exports store the rotary table; AttnRes recomputes it from rope_parameters.
+ROTARY_TABLES = Rule((f"{LAYER}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"), None)
+
 STANDARD_RULES = (
-    *_same("model.embed_tokens.weight", transform="scale_stream"),
-    *_same(*(f"{LAYER}.self_attn.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias"))),
-    *_same(f"{LAYER}.self_attn.o_proj.weight", f"{LAYER}.self_attn.o_proj.bias", transform="scale_stream"),
-    *_same(f"{LAYER}.self_attn.q_norm.weight", f"{LAYER}.self_attn.k_norm.weight"),
-    *_same(*(f"{LAYER}.mlp.{p}_proj.{t}" for p in ("gate", "up") for t in ("weight", "bias"))),
-    *_same(f"{LAYER}.mlp.down_proj.weight", f"{LAYER}.mlp.down_proj.bias", transform="scale_stream"),
-    *_same(f"{LAYER}.input_layernorm.weight", f"{LAYER}.post_attention_layernorm.weight"),
-    *_same("model.norm.weight", transform="unscale_tied_head"),
-    *_same("lm_head.weight"),
-    # Old exports store the rotary table; AttnRes recomputes it from rope_parameters.
-    Rule((f"{LAYER}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"), None),
+    *same_keys("model.embed_tokens.weight", transform="scale_stream"),
+    *same_keys(*(f"{LAYER}.self_attn.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias"))),
+    *same_keys(f"{LAYER}.self_attn.o_proj.weight", f"{LAYER}.self_attn.o_proj.bias", transform="scale_stream"),
+    *same_keys(f"{LAYER}.self_attn.q_norm.weight", f"{LAYER}.self_attn.k_norm.weight"),
+    *same_keys(*(f"{LAYER}.mlp.{p}_proj.{t}" for p in ("gate", "up") for t in ("weight", "bias"))),
+    *same_keys(f"{LAYER}.mlp.down_proj.weight", f"{LAYER}.mlp.down_proj.bias", transform="scale_stream"),
+    *same_keys(f"{LAYER}.input_layernorm.weight", f"{LAYER}.post_attention_layernorm.weight"),
+    *same_keys("model.norm.weight", transform="unscale_tied_head"),
+    *same_keys("lm_head.weight"),
+    ROTARY_TABLES,
 )
 
 # Some exports store a tied head anyway; it is dropped once it is checked to equal the embedding.
