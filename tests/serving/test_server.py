@@ -5,6 +5,8 @@ checked against transformers on the same checkpoint.
 """
 
 import concurrent.futures
+import os
+import time
 import urllib.request
 
 import pytest
@@ -40,8 +42,21 @@ def server(cache_dir):
     proc.start()
     print(f"attnres-serve healthy after {proc.startup_seconds:.1f} s")
     yield proc
+    pgid = proc.proc.pid
     proc.stop()
-    assert proc.proc is None
+    assert group_gone(pgid), "processes of the server's group survived stop()"
+
+
+def group_gone(pgid: int, wait: float = 15.0) -> bool:
+    """Whether no process of group `pgid` is left (orphans are reaped by init a little later)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 @pytest.fixture(scope="module")
