@@ -37,7 +37,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_attention import empty_bank, fold_queries, mix_site, push_source
+from .depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
 
 
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "modeling_attnres.py")
@@ -79,28 +79,24 @@ class AttnResPseudoQuery(nn.Linear):
 
 @dataclass
 class DepthState:
-    """The depth history at a layer boundary: stored sources `[batch, seq, n, d]` and the running
-    partial `[batch, seq, d]`. Passed from layer to layer; never kept on a module."""
+    """The depth history at a layer boundary: the stored sources (a token-major `DepthBank`) and
+    the running partial `[batch, seq, d]`. Passed from layer to layer; never kept on a module."""
 
-    stored: torch.Tensor
-    partial: torch.Tensor
+    stored: DepthBank
+    partial: Optional[torch.Tensor]
 
 
 def mix(state: DepthState, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
     """Mix one site from its own pseudo-query and key norm (folded into one query)."""
     query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
-    return mix_site(state.stored, state.partial, query, norm.variance_epsilon, keep_weights)
+    return mix_site(state.stored, state.partial, query, norm.variance_epsilon, proj.weight.dtype, keep_weights)
 
 
-def push_block(state: DepthState, closes_block: bool) -> DepthState:
+def push_block(state: DepthState, closes_block: bool, eps: float) -> DepthState:
     """At a block boundary the partial becomes a stored source and a new partial starts empty."""
     if not closes_block:
         return state
-    return DepthState(push_source(state.stored, state.partial), None)
-
-
-def accumulate(partial: Optional[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
-    return output if partial is None else partial + output
+    return DepthState(push_source(state.stored, state.partial, eps), None)
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
@@ -122,10 +118,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         spb = config.sublayers_per_block
         self.attn_closes_block = (2 * layer_idx) % spb == 0
         self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
+        self.eps = config.rms_norm_eps
 
     def forward(
         self,
-        stored: torch.Tensor,
+        stored: DepthBank,
         partial: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
@@ -134,12 +131,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         output_depth_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    ) -> tuple[DepthBank, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Returns the new `(stored, partial)` and, when asked, the weights of both sites."""
         state = DepthState(stored, partial)
         h, attn_site_weights = mix(state, self.self_attention_res_proj, self.self_attention_res_norm,
                                         output_depth_attentions)
-        state = push_block(state, self.attn_closes_block)
+        state = push_block(state, self.attn_closes_block, self.eps)
         h, _ = self.self_attn(
             hidden_states=self.input_layernorm(h),
             attention_mask=attention_mask,
@@ -149,11 +146,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        state.partial = accumulate(state.partial, h)
+        state.partial = add_to_partial(state.partial, h)
 
         h, mlp_site_weights = mix(state, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
-        state = push_block(state, self.mlp_closes_block)
-        state.partial = accumulate(state.partial, self.mlp(self.post_attention_layernorm(h)))
+        state = push_block(state, self.mlp_closes_block, self.eps)
+        state.partial = add_to_partial(state.partial, self.mlp(self.post_attention_layernorm(h)))
         return state.stored, state.partial, attn_site_weights, mlp_site_weights
 
 
@@ -265,7 +262,7 @@ class AttnResModel(AttnResPreTrainedModel):
         output_depth_attentions = bool(output_depth_attentions)
 
         stored = empty_bank(inputs_embeds)                             # [batch, seq, 0, d]
-        partial = inputs_embeds                                        # the embedding: block 0
+        partial = add_to_partial(None, inputs_embeds)                  # the embedding: block 0
         all_hidden_states = [inputs_embeds] if output_hidden_states else None
         depth_attentions = [] if output_depth_attentions else None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -281,7 +278,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 **kwargs,
             )
             if output_hidden_states:
-                all_hidden_states.append(stored.sum(-2) + partial)
+                all_hidden_states.append((stored.sources.sum(-2) + partial).to(inputs_embeds.dtype))
             if output_depth_attentions:
                 depth_attentions += [attn_site_weights, mlp_site_weights]
 

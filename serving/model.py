@@ -33,7 +33,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.sequence import IntermediateTensors
 
 from modeling_attnres.configuration_attnres import AttnResConfig
-from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
+from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
 
 # HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
 # `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the regexes accept the seed
@@ -79,23 +79,18 @@ class AttnResPseudoQuery(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
 
-def mix(stored: torch.Tensor, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
-    """Mix one site (stored `[tokens, n, d]`, partial `[tokens, d]`) with its folded query."""
+def mix(stored: DepthBank, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
+    """Mix one site (stored sources `[tokens, n, d]`, partial `[tokens, d]`) with its folded query."""
     query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
-    mixed, _ = mix_site(stored, partial, query, norm.variance_epsilon)
+    mixed, _ = mix_site(stored, partial, query, norm.variance_epsilon, proj.weight.dtype)
     return mixed
 
 
-def push_block(stored: torch.Tensor, partial: torch.Tensor, closes_block: bool):
+def push_block(stored: DepthBank, partial: torch.Tensor, closes_block: bool, eps: float):
     """At a block boundary the partial becomes a stored source and the new partial starts empty."""
     if not closes_block:
         return stored, partial
-    return push_source(stored, partial), None
-
-
-def accumulate(partial, output: torch.Tensor) -> torch.Tensor:
-    """Add a sublayer output to the running partial (which may have just been emptied)."""
-    return output if partial is None else partial + output
+    return push_source(stored, partial, eps), None
 
 
 class AttnResAttention(LlamaAttention):
@@ -157,18 +152,19 @@ class AttnResDecoderLayer(nn.Module):
         spb = config.sublayers_per_block
         self.attn_closes_block = (2 * layer_idx) % spb == 0
         self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
+        self.eps = eps
 
-    def forward(self, positions: torch.Tensor, stored: torch.Tensor,
-                partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the new `(stored, partial)`; `stored` is `[tokens, n, d]`, `partial` `[tokens, d]`."""
+    def forward(self, positions: torch.Tensor, stored: DepthBank,
+                partial: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
+        """Returns the new `(stored, partial)`; a `DepthBank` of `[tokens, n, d]` and `[tokens, d]`."""
         h = mix(stored, partial, self.self_attention_res_proj, self.self_attention_res_norm)
-        stored, partial = push_block(stored, partial, self.attn_closes_block)
+        stored, partial = push_block(stored, partial, self.attn_closes_block, self.eps)
         h = self.self_attn(positions=positions, hidden_states=self.input_layernorm(h))
-        partial = accumulate(partial, h)
+        partial = add_to_partial(partial, h)
 
         h = mix(stored, partial, self.mlp_res_proj, self.mlp_res_norm)
-        stored, partial = push_block(stored, partial, self.mlp_closes_block)
-        partial = accumulate(partial, self.mlp(self.post_attention_layernorm(h)))
+        stored, partial = push_block(stored, partial, self.mlp_closes_block, self.eps)
+        partial = add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
         return stored, partial
 
 
@@ -212,8 +208,9 @@ class AttnResModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states `[tokens, d]` for flattened `[tokens]` inputs."""
-        partial = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        stored = empty_bank(partial)                                   # [tokens, 0, d]
+        embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        stored = empty_bank(embeds)                                    # [tokens, 0, d]
+        partial = add_to_partial(None, embeds)                         # the embedding: block 0
         for layer in self.layers:
             stored, partial = layer(positions, stored, partial)
         out = mix(stored, partial, self.output_attn_res_proj, self.output_attn_res_norm)

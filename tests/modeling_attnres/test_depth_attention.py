@@ -3,15 +3,23 @@
 import pytest
 import torch
 
-from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
+from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
 from tests.oracle import naive_mix
 
 EPS = 1e-6
 
 
-def bank(sources):
-    """Stored sources `[n, *tokens, d]` (oracle layout) as the kernel's token-major bank."""
-    return sources.movedim(0, -2).contiguous()
+def bank(sources, like=None):
+    """Stored sources `[n, *tokens, d]` (oracle layout) pushed one by one into a kernel bank."""
+    stored = empty_bank(sources[0] if len(sources) else like)
+    for source in sources:
+        stored = push_source(stored, source, EPS)
+    return stored
+
+
+def mix(sources_or_bank, partial, query, keep_weights=False):
+    stored = sources_or_bank if isinstance(sources_or_bank, DepthBank) else bank(sources_or_bank, partial)
+    return mix_site(stored, partial, query, EPS, partial.dtype, keep_weights)
 
 
 def random_case(n, tokens=(2, 3), d=16, dtype=torch.float64, seed=0):
@@ -28,7 +36,7 @@ def test_mix_site_matches_oracle(n_stored, tokens):
     sources, w, gain = random_case(n_stored + 1, tokens=tokens, seed=n_stored)
     expected, probs = naive_mix(list(sources), w, gain, EPS)
     query = fold_queries(w[None], gain[None])[0]
-    out, weights = mix_site(bank(sources[:n_stored]), sources[n_stored], query, EPS, keep_weights=True)
+    out, weights = mix(sources[:n_stored], sources[n_stored], query, keep_weights=True)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(weights, probs.movedim(0, -1), rtol=1e-12, atol=1e-12)
 
@@ -37,7 +45,7 @@ def test_float32_inputs_match_float64_oracle():
     sources, w, gain = random_case(5, tokens=(3, 4))
     expected, _ = naive_mix(list(sources), w, gain, EPS)
     query = fold_queries(w[None].float(), gain[None].float())[0]
-    out, _ = mix_site(bank(sources[:4].float()), sources[4].float(), query, EPS)
+    out, _ = mix(sources[:4].float(), sources[4].float(), query)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -47,7 +55,7 @@ def test_bf16_inputs_mix_in_float32():
     expected, _ = naive_mix(list(sources.double()), w, gain, EPS)     # same bf16-rounded sources
     query = fold_queries(w[None].bfloat16(), gain[None].bfloat16())[0]
     assert query.dtype == torch.float32
-    out, _ = mix_site(bank(sources[:3]), sources[3], query, EPS)
+    out, _ = mix(sources[:3], sources[3], query)
     assert out.dtype == torch.bfloat16
     # Only the final cast (and the bf16 query) may differ: one bf16 ulp of the output scale.
     torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)
@@ -55,7 +63,7 @@ def test_bf16_inputs_mix_in_float32():
 
 def test_zero_query_is_the_mean_of_sources():
     sources, _, _ = random_case(6)
-    out, weights = mix_site(bank(sources[:5]), sources[5], torch.zeros(16, dtype=torch.float64), EPS, keep_weights=True)
+    out, weights = mix(sources[:5], sources[5], torch.zeros(16, dtype=torch.float64), keep_weights=True)
     torch.testing.assert_close(out, sources.mean(0))
     torch.testing.assert_close(weights, torch.full_like(weights, 1 / 6))
 
@@ -63,7 +71,7 @@ def test_zero_query_is_the_mean_of_sources():
 def test_first_site_is_the_identity_and_keeps_the_query_in_the_graph():
     partial = torch.randn(2, 3, 16)
     query = torch.randn(16, requires_grad=True)
-    out, weights = mix_site(empty_bank(partial), partial, query, EPS, keep_weights=True)
+    out, weights = mix(empty_bank(partial), partial, query, keep_weights=True)
     assert torch.equal(out, partial)
     assert torch.equal(weights, torch.ones(2, 3, 1))
     out.sum().backward()
@@ -73,7 +81,7 @@ def test_first_site_is_the_identity_and_keeps_the_query_in_the_graph():
 def test_large_scores_do_not_overflow():
     sources, w, gain = random_case(5)
     query = fold_queries(w[None] * 1e4, gain[None])[0]
-    out, _ = mix_site(bank(sources[:4].float()), sources[4].float(), query.float(), EPS)
+    out, _ = mix(sources[:4].float(), sources[4].float(), query.float())
     assert torch.isfinite(out).all()
     expected, _ = naive_mix(list(sources), w * 1e4, gain, EPS)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
@@ -83,7 +91,7 @@ def test_gradients_match_oracle():
     sources, w, gain = random_case(4)
     src = sources.clone().requires_grad_(True)
     query = fold_queries(w[None], gain[None])[0].clone().requires_grad_(True)
-    out, _ = mix_site(bank(src[:3]), src[3], query, EPS)
+    out, _ = mix(src[:3], src[3], query)
     (out * torch.arange(16.0, dtype=torch.float64)).sum().backward()
     src2 = sources.clone().requires_grad_(True)
     w2 = (w * gain).clone().requires_grad_(True)
@@ -93,10 +101,21 @@ def test_gradients_match_oracle():
     torch.testing.assert_close(query.grad, w2.grad)
 
 
-def test_push_source_builds_the_token_major_bank():
+def test_push_source_builds_the_token_major_bank_with_inverse_rms():
     sources, _, _ = random_case(3)
     stored = empty_bank(sources[0])
-    assert stored.shape == (2, 3, 0, 16)
+    assert stored.sources.shape == (2, 3, 0, 16) and stored.inv_rms.shape == (2, 3, 0)
     for source in sources:
-        stored = push_source(stored, source)
-    assert torch.equal(stored, bank(sources))
+        stored = push_source(stored, source, EPS)
+    assert torch.equal(stored.sources, sources.movedim(0, -2))
+    expected = 1 / torch.sqrt(sources.pow(2).mean(-1) + EPS)
+    torch.testing.assert_close(stored.inv_rms, expected.movedim(0, -1))
+
+
+def test_bf16_sources_are_stored_and_accumulated_in_float32():
+    x = torch.randn(2, 16).bfloat16()
+    stored = push_source(empty_bank(x), x, EPS)
+    assert stored.sources.dtype == torch.float32
+    partial = add_to_partial(add_to_partial(None, x), x)
+    assert partial.dtype == torch.float32
+    torch.testing.assert_close(partial, 2 * x.float())
