@@ -1,5 +1,5 @@
-"""Tensor parallelism 2 on CPU (one core per rank): greedy tokens and top-5 logprobs equal
-transformers'. Opt-in (`ATTNRES_SLOW_TESTS=1`): two spawned workers take about 3 minutes to start
+"""Tensor parallelism 2 on CPU (one core per rank): greedy tokens equal transformers', top-5
+logprobs within 1e-3. Opt-in (`ATTNRES_SLOW_TESTS=1`): two spawned workers take about 3 minutes to start
 on 2 busy cores, more than the CI budget allows for the vLLM tests."""
 
 import os
@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent("""
     def main(path):
         write_tiny_checkpoint(path, seed=3, **VARIANTS["block3-partial-bias"])
         llm = make_llm(path, enforce_eager=True, tensor_parallel_size=2, distributed_executor_backend="mp")
-        assert_parity(llm, load_hf(path))
+        # Each rank sums half of every o_proj / down_proj reduction: float32 rounding differs by ~2e-4.
+        assert_parity(llm, load_hf(path), base_atol=1e-3)
         print("TP2 PARITY OK")
 
     if __name__ == "__main__":      # workers are spawned: the entry point must be guarded
