@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="layers per block (default: ceil(layers / 8), about 8 blocks)")
     p.add_argument("--mode", choices=("block", "full"), default="block", help="Block or Full AttnRes")
     p.add_argument("--stream-scale", type=float, help="scale s of the residual stream for standard models "
-                   "(default: the smallest power of two >= the most sources any site mixes, or 1 for float16 output, "
-                   "whose range is small; 1 keeps the weights identical)")
+                   "(default: the power of two with the smallest predicted logit error, calibrated on the source; "
+                   "1 for float16 output or eps 0; 1 keeps the weights identical)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="output dtype (default: the source's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip running both models")
@@ -48,6 +48,8 @@ def summary(result: ConversionResult) -> list[str]:
              f"  {cfg.num_hidden_layers} layers, attn_res_mode={cfg.attn_res_mode}, "
              f"attn_res_block_size={cfg.attn_res_block_size}, dtype={str(result.dtype).removeprefix('torch.')}, "
              f"stream scale={result.stream_scale:g}, rms_norm_eps={cfg.rms_norm_eps:g}"]
+    if result.scale_errors:
+        lines.append(f"  stream scale calibration (predicted relative logit error): {result.calibration_summary()}")
     if result.verification is not None:
         lines += ["Verification:", *(f"  {line}" for line in result.verification.lines())]
     return lines

@@ -23,9 +23,9 @@ from .errors import ConversionError
 from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, target_shapes
 from .model_card import write_model_card
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
-from .standard import (architecture_of, attnres_config_from_standard, default_stream_scale, standard_fills,
-                       standard_rules)
-from .verify import VerifyReport, verify_attnres_layout, verify_standard
+from .standard import (architecture_of, attnres_config_from_standard, standard_fills, standard_rules,
+                       stream_scale_candidates)
+from .verify import VerifyReport, calibrate_stream_scale, verify_attnres_layout, verify_standard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,8 +35,8 @@ class ConvertOptions:
     """Knobs of a conversion; the defaults are what `attnres-convert SRC DST` does.
 
     block_size: layers per block (default ceil(L/8), about 8 blocks). mode: "block" or "full".
-    stream_scale: residual-stream scale s for standard models (default: see `default_stream_scale`,
-    1 for float16 output; 1 leaves the weights bit-identical). dtype: "auto" (the source's) or a name in `DTYPES`.
+    stream_scale: residual-stream scale s for standard models (default: see `choose_stream_scale`;
+    1 leaves the weights bit-identical). dtype: "auto" (the source's) or a name in `DTYPES`.
     seed_block_size / config_path: for state-dict files (block size in sublayers; config json).
     """
 
@@ -65,6 +65,7 @@ class Plan:
     ctx: TransformContext
     folder: Optional[Path]           # where side files (tokenizer, ...) and the source model live
     dtype: torch.dtype               # of the output
+    scale_errors: dict[float, float] = field(default_factory=dict)   # calibration: s -> predicted error
 
 
 @dataclass
@@ -77,8 +78,13 @@ class ConversionResult:
     config: AttnResConfig
     stream_scale: float
     dtype: torch.dtype
+    scale_errors: dict[float, float] = field(default_factory=dict)
     copied_files: list[str] = field(default_factory=list)
     verification: Optional[VerifyReport] = None
+
+    def calibration_summary(self) -> str:
+        """`s=1: 1.4e-06, s=2: ...`: the predicted relative logit error of each candidate scale."""
+        return ", ".join(f"s={s:g}: {e:.2e}" for s, e in self.scale_errors.items())
 
 
 def _read_json(path: Path) -> dict:
@@ -143,16 +149,31 @@ def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
                                           clip_to_window=options.clip_to_window)
     source = open_checkpoint(folder)
     dtype = output_dtype(source, options.dtype)
-    scale = options.stream_scale
-    if scale is None:
-        # float16 tops out at 65504 and real models carry residual outliers in the thousands: never
-        # scale by default there (pass --stream-scale to accept the risk).
-        scale = 1.0 if dtype == torch.float16 else default_stream_scale(config)
-    if not scale > 0:
-        raise ConversionError(f"--stream-scale must be positive, got {scale}.")
-    ctx = TransformContext(stream_scale=float(scale), tied=config.tie_word_embeddings)
+    scale, errors = choose_stream_scale(folder, config, dtype, options.stream_scale)
+    ctx = TransformContext(stream_scale=scale, tied=config.tie_word_embeddings)
     rules = standard_rules(config, source)
-    return Plan(layout, source, rules, standard_fills(src_config), config, ctx, folder, dtype)
+    return Plan(layout, source, rules, standard_fills(src_config), config, ctx, folder, dtype, errors)
+
+
+def choose_stream_scale(folder: Path, config: AttnResConfig, dtype: torch.dtype,
+                        requested: Optional[float]) -> tuple[float, dict[float, float]]:
+    """The residual-stream scale s, and the predicted error of each candidate when calibrated.
+
+    Which s is best depends on the model: random-init models (tiny embeddings) want s near the
+    largest source count, trained ones often s = 1 (the first site, which reads the embedding alone,
+    is then exact). So by default each power-of-two candidate is scored with the spec's prediction
+    on the source model alone, and the best one (the smallest on a tie) is used. No calibration when
+    eps = 0 (every s is exact: 1 keeps the weights identical) or for float16 output (it ends at 65504
+    and real residual streams have outliers in the thousands: 1, unless --stream-scale says otherwise).
+    """
+    if requested is not None:
+        if not requested > 0:
+            raise ConversionError(f"--stream-scale must be positive, got {requested}.")
+        return float(requested), {}
+    if config.rms_norm_eps == 0 or dtype == torch.float16:
+        return 1.0, {}
+    errors = calibrate_stream_scale(folder, config, stream_scale_candidates(config))
+    return min(errors, key=lambda s: (errors[s], s)), errors
 
 
 def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
@@ -194,7 +215,8 @@ def convert(src: str | Path, dst: str | Path, options: Optional[ConvertOptions] 
     dst = Path(dst).expanduser().resolve()
     check_destination(dst, src_path, options.overwrite)
     plan = plan_conversion(src_path, options)
-    result = ConversionResult(str(src), dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype)
+    result = ConversionResult(str(src), dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
+                              plan.scale_errors)
     tmp = staging_dir(dst)
     try:
         write_model(plan, tmp, options.max_shard_size)

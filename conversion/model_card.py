@@ -34,9 +34,14 @@ def _config_lines(result: "ConversionResult") -> list[str]:
     blocks = ("Full AttnRes (every sublayer is its own source)" if cfg.attn_res_mode == "full" else
               f"Block AttnRes, {cfg.attn_res_block_size} layer(s) per block "
               f"({cfg.num_depth_sources - 1} blocks over {cfg.num_hidden_layers} layers)")
-    return [f"- source: `{result.src}` ({result.layout})", f"- depth attention: {blocks}",
-            f"- dtype: {str(result.dtype).removeprefix('torch.')}", f"- rms_norm_eps: {cfg.rms_norm_eps:g}",
-            f"- kept from the source: {', '.join(f'`{n}`' for n in result.copied_files) or 'nothing'}"]
+    lines = [f"- source: `{result.src}` ({result.layout})", f"- depth attention: {blocks}",
+             f"- dtype: {str(result.dtype).removeprefix('torch.')}", f"- rms_norm_eps: {cfg.rms_norm_eps:g}",
+             f"- kept from the source: {', '.join(f'`{n}`' for n in result.copied_files) or 'nothing'}"]
+    if result.layout != "attnres":
+        lines.append(f"- residual-stream scale s: {result.stream_scale:g}" + (
+            f" (calibrated; predicted relative logit error {result.calibration_summary()})"
+            if result.scale_errors else ""))
+    return lines
 
 
 def model_card(result: "ConversionResult") -> str:

@@ -187,7 +187,9 @@ def sources_per_site(config: AttnResConfig) -> list[int]:
     return counts + [stored + 1]
 
 
-def default_stream_scale(config: AttnResConfig) -> float:
-    """The smallest power of two >= the largest source count: every site's effective eps is then
-    at most the source's own (`(c/s)^2 <= 1`), and powers of two scale without rounding."""
-    return float(2 ** math.ceil(math.log2(max(sources_per_site(config)))))
+def stream_scale_candidates(config: AttnResConfig) -> list[float]:
+    """Powers of two from 1 to the smallest one >= the largest source count. Beyond that every site's
+    effective eps is already below the source's and larger scales change almost nothing; below 1
+    every site gets worse. Powers of two scale weights without rounding in every float format."""
+    top = math.ceil(math.log2(max(sources_per_site(config))))
+    return [float(2 ** k) for k in range(top + 1)]

@@ -140,6 +140,19 @@ def verify_standard(src: Path, converted: Path, config: AttnResConfig, stream_sc
     return VerifyReport(diff, rel, scale, agree, greedy, vs_pred, f"source model ({src.name})", len(ids))
 
 
+def calibrate_stream_scale(src: Path, config: AttnResConfig, candidates: list[float]) -> dict[float, float]:
+    """The relative logit error each candidate scale `s` would cost, from the source model alone: the
+    spec's prediction (each site's eps set to `(c/s)^2 * eps`) against the source, on the prompts."""
+    ids = prompt_ids(src, config.vocab_size)
+    source = _load(src)
+    reference = _logits(source, ids)
+    errors = {}
+    for scale in tqdm(candidates, desc="Calibrating stream scale", unit="scale"):
+        apply_predicted_eps(source, config, scale)
+        errors[scale] = compare(reference, _logits(source, ids))[1]
+    return errors
+
+
 def verify_attnres_layout(plan: "Plan", converted: Path) -> VerifyReport:
     """For another AttnRes layout the source model *is* an AttnRes model with renamed weights: build it
     from the source tensors in float32 and compare it with the saved, reloaded checkpoint."""

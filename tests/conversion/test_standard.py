@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from attnres.conversion import ConvertOptions, convert
 from attnres.conversion.cli import main
 from attnres.conversion.standard import default_block_size, sources_per_site
-from attnres.conversion.verify import apply_predicted_eps
+from attnres.conversion.verify import apply_predicted_eps, compare, prompt_ids
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 from tests.conversion.builders import CHAT_TEMPLATE, SOURCES, rel_diff, save_source, source_model, token_ids
 
@@ -25,10 +25,10 @@ def load(path, dtype=torch.float32):
 def test_exact_at_eps_zero(tmp_path, name):
     src = source_model(name, eps=0.0)
     save_source(src, tmp_path / "src")
-    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False))
+    # a scaled stream must be exact too (eps = 0 alone would pick s = 1)
+    convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False, stream_scale=4.0))
     model = load(tmp_path / "dst")
     assert isinstance(model, AttnResForCausalLM)
-    assert result.stream_scale > 1  # the default scales the stream, and must still be exact
     ids = token_ids()
     with torch.no_grad():
         assert rel_diff(model(ids).logits, src(ids).logits) < 1e-5
@@ -44,28 +44,31 @@ def test_exact_at_eps_zero(tmp_path, name):
 @pytest.mark.parametrize("name", ["llama_tied_bias", "qwen3"])
 def test_eps_deviation_is_exactly_the_predicted_one(tmp_path, name):
     """With the source's eps the converted model equals the source with each site's eps replaced by
-    (c/s)^2 * eps, as the spec predicts, and nothing else; the scale makes that deviation smaller."""
+    (c/s)^2 * eps, as the spec predicts, and nothing else; calibration scores every candidate s by
+    that prediction, so its numbers are the real errors and the chosen s is the best one."""
     src = source_model(name, eps=1e-5)
     save_source(src, tmp_path / "src")
-    ids = token_ids()
+    chosen = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False))
+    assert list(chosen.scale_errors) == [1.0, 2.0, 4.0, 8.0]          # up to >= 5 sources (4 blocks + partial)
+    assert chosen.stream_scale == min(chosen.scale_errors, key=chosen.scale_errors.get)
+    ids, calibration_ids = token_ids(), prompt_ids(None, src.config.vocab_size)
     with torch.no_grad():
-        reference = src(ids).logits
-        deviations = {}
-        for scale in (1.0, None):
-            dst = tmp_path / f"dst-{scale}"
+        for scale, predicted_error in chosen.scale_errors.items():
+            dst = tmp_path / f"dst-{scale:g}"
             result = convert(tmp_path / "src", dst, ConvertOptions(verify=False, stream_scale=scale))
-            got = load(dst)(ids).logits
+            model = load(dst)
             predicted = source_model(name, eps=1e-5)
-            apply_predicted_eps(predicted, result.config, result.stream_scale)
-            assert rel_diff(got, predicted(ids).logits) < 1e-5
-            deviations[scale] = rel_diff(got, reference)
-    assert 1e-5 < deviations[None] < deviations[1.0] / 3
+            apply_predicted_eps(predicted, result.config, scale)
+            assert rel_diff(model(ids).logits, predicted(ids).logits) < 1e-5
+            actual = compare([src(x).logits for x in calibration_ids], [model(x).logits for x in calibration_ids])[1]
+            assert actual == pytest.approx(predicted_error, rel=1e-3) and actual > 1e-5
 
 
 def test_weights_are_carried_bit_exactly_with_unit_scale(tmp_path):
-    src = source_model("qwen2_tied", eps=1e-6)
+    src = source_model("qwen2_tied", eps=0.0)
     save_source(src, tmp_path / "src", shards=False)
-    convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False, stream_scale=1))
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False))
+    assert result.stream_scale == 1.0 and not result.scale_errors   # eps = 0: every s is exact, keep weights
     with safe_open(tmp_path / "dst" / "model.safetensors", "pt") as f:
         converted = {k: f.get_tensor(k) for k in f.keys()}
     for key, tensor in src.state_dict().items():
