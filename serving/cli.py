@@ -63,6 +63,10 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None) -> list[str]
     """The `vllm serve` argument list for `attnres-serve args` (model first, defaults appended)."""
     env = os.environ if env is None else env
     args = list(args)
+    if args in (["-v"], ["--version"]):
+        return args
+    if has_option(args, "-h", "--help"):
+        return ["serve", *args]                                        # no model is generated for help
     if args and not args[0].startswith("-"):
         model = args.pop(0)
     elif has_option(args, "--model"):

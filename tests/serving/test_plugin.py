@@ -101,6 +101,11 @@ def test_serve_argv_respects_given_options():
     assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1"]
 
 
+def test_serve_argv_help_and_version_pass_through():
+    assert cli.serve_argv(["--version"], cpu=True, env={}) == ["--version"]
+    assert cli.serve_argv(["--help"], cpu=True, env={}) == ["serve", "--help"]
+
+
 def test_vllm_version_lookup_works_after_patch():
     result = run_python(
         "import importlib.metadata as md\n"
