@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "attnres-tiny"
-DEFAULT_PROMPT = "import os\n\n\ndef "
+DEFAULT_PROMPT = "class Reader:\n    def __init__(self"
 
 
 def load(model_path: Path):

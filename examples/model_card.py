@@ -68,6 +68,14 @@ def export_model(model, tok, args, metrics: dict, heldout: str) -> Path:
     return out
 
 
+def speed_line(m: dict) -> str:
+    """Training time and throughput, when this process measured them (not after a resume at the end)."""
+    seconds, rate = m.get("train_seconds_total") or m.get("train_seconds_this_run"), m.get("tokens_per_s")
+    if not seconds or not rate:
+        return ""
+    return f" Training took {seconds / 60:.0f} min at {rate:.0f} tokens/s (one thread of a busy shared CPU)."
+
+
 def card_text(model, args, m: dict) -> str:
     """The model card: what it is, how it was trained, what it measures, how to use it."""
     cfg = model.config
@@ -104,7 +112,7 @@ request continues the code it contains).
 
 {m['train_tokens']:,} tokens ({m['steps_done']} steps of {args.batch_size} x {args.seq_len}), AdamW
 (lr {args.lr}, {args.warmup} warm-up steps, cosine to {args.min_lr_ratio} x lr, weight decay
-{args.weight_decay}, grad clip 1.0), float32 on CPU, seed {args.seed}. Split: a file is in validation
+{args.weight_decay}, grad clip 1.0), float32 on CPU, seed {args.seed}.{speed_line(m)} Split: a file is in validation
 when `sha256(relative path) % 100 < {args.validation_percent}`. Reproduce with:
 
 ```bash
@@ -127,7 +135,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 tok = AutoTokenizer.from_pretrained("{args.out}")
 model = AutoModelForCausalLM.from_pretrained("{args.out}")
-ids = tok("import os\\n\\ndef ", return_tensors="pt").input_ids
+ids = tok("class Reader:\\n    def __init__(self", return_tensors="pt").input_ids
 print(tok.decode(model.generate(ids, max_new_tokens=64)[0]))
 ```
 

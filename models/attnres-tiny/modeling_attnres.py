@@ -1,0 +1,354 @@
+"""Attention Residuals (Kimi Team, arXiv:2603.15031) for transformers.
+
+Only the difference from Llama is written here: attention, MLP, RMSNorm and RoPE are transformers'
+own Llama (and Qwen3, for `qk_norm`) modules. What AttnRes adds is the residual path: every
+sublayer reads a softmax-weighted mix over depth (earlier blocks of the same token) instead of the
+running sum. The mixing math lives in `depth_attention.py`, shared with the vLLM model.
+
+The depth history (stored blocks and the running partial) is a local of `forward`. Depth attention
+mixes vectors of one token position, so decoding needs nothing beyond the ordinary KV cache.
+"""
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_attnres import AttnResConfig
+from .depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
+
+
+REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "modeling_attnres.py")
+REMOTE_CODE_AUTO_MAP = {
+    "AutoConfig": "configuration_attnres.AttnResConfig",
+    "AutoModel": "modeling_attnres.AttnResModel",
+    "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+}
+
+
+def copy_remote_code(save_directory: str | os.PathLike) -> None:
+    """Copy the flat modeling files next to a checkpoint (temporary name, then rename)."""
+    here = Path(__file__).resolve().parent
+    for name in REMOTE_CODE_FILES:
+        target = Path(save_directory) / name
+        tmp = target.with_name(f".{name}.tmp")
+        shutil.copyfile(here / name, tmp)
+        os.replace(tmp, target)
+
+
+class AttnResRMSNorm(LlamaRMSNorm):
+    """Llama's RMSNorm; also the key norm of every depth-attention site."""
+
+
+class AttnResRotaryEmbedding(LlamaRotaryEmbedding):
+    """Llama's rotary embedding (reads `config.rope_parameters`)."""
+
+
+class AttnResMLP(LlamaMLP):
+    """Llama's gated MLP."""
+
+
+class AttnResPseudoQuery(nn.Linear):
+    """The pseudo-query `w` of one depth-attention site: `Linear(d, 1, bias=False)`, zero at init."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__(hidden_size, 1, bias=False)
+
+
+@dataclass
+class DepthState:
+    """The depth history at a layer boundary: the stored sources (a token-major `DepthBank`) and
+    the running partial `[batch, seq, d]`. Passed from layer to layer; never kept on a module."""
+
+    stored: DepthBank
+    partial: Optional[torch.Tensor]
+
+
+def mix(state: DepthState, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
+    """Mix one site from its own pseudo-query and key norm (folded into one query)."""
+    query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
+    return mix_site(state.stored, state.partial, query, norm.variance_epsilon, proj.weight.dtype, keep_weights)
+
+
+def push_block(state: DepthState, closes_block: bool, eps: float) -> DepthState:
+    """At a block boundary the partial becomes a stored source and a new partial starts empty."""
+    if not closes_block:
+        return state
+    return DepthState(push_source(state.stored, state.partial, eps), None)
+
+
+class AttnResDecoderLayer(GradientCheckpointingLayer):
+    """A Llama decoder layer whose two sublayers read depth-attention mixes instead of the residual sum."""
+
+    def __init__(self, config: AttnResConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        attention_cls = Qwen3Attention if config.qk_norm else LlamaAttention
+        self.self_attn = attention_cls(config=config, layer_idx=layer_idx)
+        self.mlp = AttnResMLP(config)
+        self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attention_res_proj = AttnResPseudoQuery(config.hidden_size)
+        self.self_attention_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp_res_proj = AttnResPseudoQuery(config.hidden_size)
+        self.mlp_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Site j = 2 * layer_idx (+1 for the MLP) closes a block when j % sublayers_per_block == 0.
+        spb = config.sublayers_per_block
+        self.attn_closes_block = (2 * layer_idx) % spb == 0
+        self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
+        self.eps = config.rms_norm_eps
+
+    def forward(
+        self,
+        stored: DepthBank,
+        partial: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        use_cache: Optional[bool] = False,
+        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        output_depth_attentions: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[DepthBank, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Returns the new `(stored, partial)` and, when asked, the weights of both sites."""
+        state = DepthState(stored, partial)
+        h, attn_site_weights = mix(state, self.self_attention_res_proj, self.self_attention_res_norm,
+                                        output_depth_attentions)
+        state = push_block(state, self.attn_closes_block, self.eps)
+        h, _ = self.self_attn(
+            hidden_states=self.input_layernorm(h),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        state.partial = add_to_partial(state.partial, h)
+
+        h, mlp_site_weights = mix(state, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
+        state = push_block(state, self.mlp_closes_block, self.eps)
+        state.partial = add_to_partial(state.partial, self.mlp(self.post_attention_layernorm(h)))
+        return state.stored, state.partial, attn_site_weights, mlp_site_weights
+
+
+class AttnResPreTrainedModel(PreTrainedModel):
+    config: AttnResConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["AttnResDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"attentions": [LlamaAttention, Qwen3Attention]}
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus the modeling files and `config.auto_map`, so that the
+        folder (and a `push_to_hub` of it) loads with `trust_remote_code=True` where this package is
+        not installed. An installed `modeling_attnres` still takes precedence when it is."""
+        self.config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            copy_remote_code(save_directory)
+
+    def _init_weights(self, module):
+        # Pseudo-queries start at zero (uniform mixing at step 0); the generic Linear init would not.
+        if isinstance(module, AttnResPseudoQuery):
+            init.zeros_(module.weight)
+        else:
+            super()._init_weights(module)
+
+
+@dataclass
+class AttnResModelOutputWithPast(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` plus `depth_attentions`: one `[batch, seq, num_sources]` tensor per
+    site (attention and MLP of every layer, then the output site), when `output_depth_attentions=True`."""
+
+    depth_attentions: Optional[tuple[torch.Tensor, ...]] = None
+
+
+@dataclass
+class AttnResCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus `depth_attentions` (see `AttnResModelOutputWithPast`)."""
+
+    depth_attentions: Optional[tuple[torch.Tensor, ...]] = None
+
+
+class AttnResModel(AttnResPreTrainedModel):
+    """The AttnRes decoder stack: embedding, layers, the output depth-attention site and the final norm."""
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.output_attn_res_proj = AttnResPseudoQuery(config.hidden_size)
+        self.output_attn_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = AttnResRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_depth_attentions: Optional[bool] = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> AttnResModelOutputWithPast:
+        r"""
+        output_hidden_states (`bool`, *optional*):
+            Return the embedding and, after each layer, the equivalent residual stream (the sum of all
+            sources); the last entry is `last_hidden_state`, as in every transformers model.
+        output_depth_attentions (`bool`, *optional*):
+            Return the depth-attention weights of every site, `[batch, seq, num_sources]` each.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
+                                    else self.config.output_hidden_states)
+        output_depth_attentions = bool(output_depth_attentions)
+
+        stored = empty_bank(inputs_embeds)                             # [batch, seq, 0, d]
+        partial = add_to_partial(None, inputs_embeds)                  # the embedding: block 0
+        all_hidden_states = [inputs_embeds] if output_hidden_states else None
+        depth_attentions = [] if output_depth_attentions else None
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            stored, partial, attn_site_weights, mlp_site_weights = decoder_layer(
+                stored,
+                partial,
+                attention_mask=causal_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                output_depth_attentions=output_depth_attentions,
+                **kwargs,
+            )
+            if output_hidden_states:
+                all_hidden_states.append((stored.sources.sum(-2) + partial).to(inputs_embeds.dtype))
+            if output_depth_attentions:
+                depth_attentions += [attn_site_weights, mlp_site_weights]
+
+        out, output_site_weights = mix(DepthState(stored, partial), self.output_attn_res_proj,
+                                            self.output_attn_res_norm, output_depth_attentions)
+        hidden_states = self.norm(out)
+        if output_hidden_states:
+            all_hidden_states[-1] = hidden_states
+        if output_depth_attentions:
+            depth_attentions.append(output_site_weights)
+        return AttnResModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            depth_attentions=tuple(depth_attentions) if output_depth_attentions else None,
+        )
+
+
+class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
+    """AttnRes with a language-modelling head, ready for `generate()` and `Trainer`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.model = AttnResModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> AttnResCausalLMOutputWithPast:
+        """Same contract as `LlamaForCausalLM.forward`; `output_depth_attentions=True` adds the depth weights."""
+        outputs: AttnResModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return AttnResCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            depth_attentions=outputs.depth_attentions,
+        )
+
+
+__all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM"]
