@@ -64,6 +64,9 @@ class SafetensorsSource:
             raise ConversionError(f"Cannot read tensor {key} from {self._where[key]}: {err}. "
                                   "The file is corrupt; download or copy it again.") from err
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[key]].get_slice(key).get_shape())
+
 
 class StateDictSource:
     """A state dict already in memory (from a `.pt`/`.bin` file)."""
@@ -76,6 +79,9 @@ class StateDictSource:
 
     def get(self, key: str) -> torch.Tensor:
         return self._sd[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._sd[key].shape)
 
 
 def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], Optional[dict]]:

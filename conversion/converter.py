@@ -20,7 +20,7 @@ from modeling_attnres import AttnResConfig, AttnResForCausalLM
 from .checkpoint_io import (STATE_DICT_SUFFIXES, StateDictSource, check_destination, copy_side_files,
                             load_state_dict_file, open_checkpoint, publish, resolve_source, staging_dir)
 from .errors import ConversionError
-from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, target_shapes
+from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, resolve_key_map, target_shapes
 from .model_card import write_model_card
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
 from .standard import (architecture_of, attnres_config_from_standard, standard_fills, standard_rules,
@@ -148,11 +148,12 @@ def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
     config = attnres_config_from_standard(src_config, block_size=options.block_size, mode=options.mode,
                                           clip_to_window=options.clip_to_window)
     source = open_checkpoint(folder)
+    rules, fills = standard_rules(config, source), standard_fills(src_config)
+    resolve_key_map(source, rules, fills, target_shapes(meta_model(config)))   # before loading the source
     dtype = output_dtype(source, options.dtype)
     scale, errors = choose_stream_scale(folder, config, dtype, options.stream_scale)
     ctx = TransformContext(stream_scale=scale, tied=config.tie_word_embeddings)
-    rules = standard_rules(config, source)
-    return Plan(layout, source, rules, standard_fills(src_config), config, ctx, folder, dtype, errors)
+    return Plan(layout, source, rules, fills, config, ctx, folder, dtype, errors)
 
 
 def choose_stream_scale(folder: Path, config: AttnResConfig, dtype: torch.dtype,
@@ -195,11 +196,16 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
     return _plan_standard(src_path, options)
 
 
+def meta_model(config: AttnResConfig) -> AttnResForCausalLM:
+    """The target model without memory: its parameter names and shapes."""
+    with torch.device("meta"):
+        return AttnResForCausalLM(config)
+
+
 def write_model(plan: Plan, out: Path, max_shard_size: str) -> None:
     """Map the tensors into a meta-device AttnRes model and save it (safetensors, config, auto_map,
     modeling files). Only the converted tensors are ever materialised."""
-    with torch.device("meta"):
-        model = AttnResForCausalLM(plan.config)
+    model = meta_model(plan.config)
     tensors = apply_key_map(plan.source, plan.rules, plan.fills, target_shapes(model), plan.ctx, plan.dtype)
     model.load_state_dict(tensors, strict=False, assign=True)
     if plan.config.tie_word_embeddings:

@@ -61,6 +61,8 @@ class TensorSource(Protocol):
 
     def get(self, key: str) -> torch.Tensor: ...
 
+    def shape(self, key: str) -> tuple[int, ...]: ...   # without reading the data
+
 
 def _copy(t: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
     return t
@@ -90,6 +92,11 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, TransformContext], torch.Tensor]] 
     "scale_stream": _scale_stream,
     "unscale_tied_head": _unscale_tied_head,
     "as_query": _as_query,
+}
+
+# How a transform changes a shape, so that shapes are checked before any tensor is read.
+TRANSFORM_SHAPES: dict[str, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    "as_query": lambda shape: (1, *shape) if len(shape) == 1 else shape,
 }
 
 FILLERS: dict[str, Callable[[torch.Size, torch.dtype], torch.Tensor]] = {
@@ -154,10 +161,18 @@ def target_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     return shapes
 
 
-def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[Fill],
-                  shapes: Mapping[str, torch.Size], ctx: TransformContext,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every target tensor, converted to `dtype`. Raises listing leftover, unfilled or misshapen keys."""
+@dataclass
+class KeyMapPlan:
+    """A checked key map: `{target: (source key, transform)}` and `{target: filler}`."""
+
+    mapped: dict[str, tuple[str, str]]
+    filled: dict[str, str]
+
+
+def resolve_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[Fill],
+                    shapes: Mapping[str, torch.Size]) -> KeyMapPlan:
+    """Check the whole map against the target `shapes` from keys and shapes alone (no tensor data):
+    raises listing leftover, unfilled or misshapen keys."""
     plan = plan_key_map(list(source.keys()), rules)
     foreign = [f"{src} -> {tgt}" for tgt, (src, _) in plan.items() if tgt not in shapes]
     if foreign:
@@ -173,19 +188,28 @@ def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[F
             "The checkpoint is missing tensors (a truncated or partial export?) or its config asks for "
             "more layers/biases than it stores."
         )
-    out, bad = {}, []
-    for target, (key, transform) in tqdm(sorted(plan.items()), desc="Converting tensors", unit="tensor"):
-        tensor = TRANSFORMS[transform](source.get(key), ctx)
-        if tuple(tensor.shape) != tuple(shapes[target]):
-            bad.append(f"{key}: {tuple(tensor.shape)} (expected {tuple(shapes[target])} for {target})")
-            continue
-        out[target] = tensor.to(dtype).contiguous()
+    bad = []
+    for target, (key, transform) in sorted(plan.items()):
+        shape = TRANSFORM_SHAPES.get(transform, lambda s: s)(tuple(source.shape(key)))
+        if shape != tuple(shapes[target]):
+            bad.append(f"{key}: {shape} (expected {tuple(shapes[target])} for {target})")
     if bad:
         raise ConversionError(
             f"Shape mismatch for {len(bad)} tensor(s): {listing(bad, limit=8)}. The config (hidden_size, "
             "intermediate_size, num_attention_heads, num_key_value_heads, head_dim, vocab_size) does not "
             "describe these weights; fix the config or pass the checkpoint it belongs to."
         )
-    for key, filler in fillers.items():
+    return KeyMapPlan(plan, fillers)
+
+
+def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[Fill],
+                  shapes: Mapping[str, torch.Size], ctx: TransformContext,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every target tensor, converted to `dtype` (the map is checked first, see `resolve_key_map`)."""
+    plan = resolve_key_map(source, rules, fills, shapes)
+    out = {}
+    for target, (key, transform) in tqdm(sorted(plan.mapped.items()), desc="Converting tensors", unit="tensor"):
+        out[target] = TRANSFORMS[transform](source.get(key), ctx).to(dtype).contiguous()
+    for key, filler in plan.filled.items():
         out[key] = FILLERS[filler](shapes[key], dtype)
     return out

@@ -90,6 +90,9 @@ class NormalizedSource:
     def get(self, key: str) -> torch.Tensor:
         return self._source.get(self._original[key][0])
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._source.shape(self._original[key][0])
+
 
 def block_size_from_sublayers(sublayers: int) -> dict:
     """AttnResConfig fields for a seed block size counted in sublayers."""
