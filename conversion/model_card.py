@@ -8,14 +8,16 @@ from .checkpoint_io import REPO_ID
 if TYPE_CHECKING:
     from .converter import ConversionResult
 
-STANDARD_HOW = """All transformer weights are carried over (scaled by a power of two where noted below); every
-depth-attention pseudo-query is zero and every depth key-norm gain is one, so each site mixes its sources uniformly and returns the
-ordinary residual stream divided by its number of sources `c`. Every reader of the stream is an
-RMSNorm, which ignores that scale except through eps: site by site the effective eps becomes
-`(c/s)^2 * rms_norm_eps`, where `s = {scale:g}` is the residual-stream scale applied at conversion
-(embedding, `o_proj` and `down_proj` multiplied by `s`{tied_note}). With `rms_norm_eps = 0` the model
-is exactly the source; otherwise it differs by this eps change only (numbers below), which a short
-fine-tune heals. Training it further lets the pseudo-queries learn where to look."""
+STANDARD_HOW = """All transformer weights are carried over (scaled by a power of two where noted below);
+every depth-attention pseudo-query is zero and every depth key-norm gain is one, so each site mixes
+its sources uniformly and returns the ordinary residual stream divided by its number of sources `c`.
+Every reader of the stream is an RMSNorm, which ignores that scale except through eps: site by site
+the effective eps becomes `(c/s)^2 * rms_norm_eps`, where `s = {scale:g}` is the residual-stream
+scale applied at conversion (embedding, `o_proj` and `down_proj` multiplied by `s`{tied_note};
+see above for how it was chosen). With
+`rms_norm_eps = 0` the model is exactly the source; otherwise it differs by this eps change only
+(numbers below), which a short fine-tune heals. Training it further lets the pseudo-queries learn
+where to look."""
 
 LAYOUT_HOW = """The source already is an AttnRes model; its tensors were renamed to this project's layout
 (seed pseudo-code names such as `attn_res_proj` -> `self_attention_res_proj`, block size counted in
@@ -50,7 +52,8 @@ def model_card(result: "ConversionResult") -> str:
         how = LAYOUT_HOW
     else:
         tied = ", and the final norm's gain divided by `s` because lm_head is tied to the embedding"
-        how = STANDARD_HOW.format(scale=result.stream_scale, tied_note=tied if result.config.tie_word_embeddings else "")
+        tied_note = tied if result.config.tie_word_embeddings else ""
+        how = STANDARD_HOW.format(scale=result.stream_scale, tied_note=tied_note)
     verify = (["## Verification", "", *(f"- {line}" for line in result.verification.lines()), ""]
               if result.verification is not None else ["Verification was skipped (`--no-verify`).", ""])
     return "\n".join([

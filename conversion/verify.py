@@ -163,4 +163,5 @@ def verify_attnres_layout(plan: "Plan", converted: Path) -> VerifyReport:
     reloaded = _load(converted)
     diff, rel, scale, agree = compare(_logits(model, ids), _logits(reloaded, ids))
     greedy = all(torch.equal(a, b) for a, b in zip(_greedy(model, ids), _greedy(reloaded, ids)))
-    return VerifyReport(diff, rel, scale, agree, greedy, None, "the source weights in float32 (AttnRes layout)", len(ids))
+    reference = "the source weights in float32 (AttnRes layout)"
+    return VerifyReport(diff, rel, scale, agree, greedy, None, reference, len(ids))

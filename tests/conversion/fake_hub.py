@@ -156,7 +156,8 @@ def _handler(hub: FakeHub):
             else:
                 hub.unexpected.append(f"{self.command} {path}")
                 return self._reply(404, {"error": f"fake hub: no route for {self.command} {path}"})
-            if name not in ("lfs_upload", "agent_harnesses") and not self.headers.get("authorization", "").startswith("Bearer hf_"):
+            authorized = self.headers.get("authorization", "").startswith("Bearer hf_")
+            if name not in ("lfs_upload", "agent_harnesses") and not authorized:
                 return self._reply(401, {"error": "missing token"})
             body = json.loads(raw) if raw and name not in ("commit", "lfs_upload") else {}
             status, payload = getattr(hub, name)(body=body, raw=raw, **match.groupdict())
