@@ -2,8 +2,8 @@
 
 Builds random-init source models of each supported architecture (transformers' own init, embedding
 std 0.02: the worst case the spec names, since `mean(H^2)` is then closest to eps), converts them
-with `attnres-convert`'s code at several stream scales and prints a Markdown table of the relative
-logit error `max|converted - source| / max|source|`, computed in float64.
+with `attnres-convert`'s code at several stream scales (and the calibrated one) and prints a
+Markdown table of the relative logit error `max|converted - source| / max|source|`, in float64.
 """
 
 import argparse
@@ -29,7 +29,7 @@ def relative_error(src: Path, dst: Path, ids: torch.Tensor) -> float:
 
 
 def measure(arch: str, layers: int, eps: float, scales: list, block_size, work: Path) -> list[str]:
-    """One table row: the error for each scale (None: the converter's default)."""
+    """One table row: the error for each scale (None: the converter's calibrated choice)."""
     config = CONFIGS[arch](**SHAPE, num_hidden_layers=layers, rms_norm_eps=eps)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(work / "src")
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 2.0])
     args = parser.parse_args()
     scales = [*args.scales, None]
-    print("| source | eps | " + " | ".join(f"s={s:g}" if s else "default s" for s in scales) + " |")
+    print("| source | eps | " + " | ".join(f"s={s:g}" if s else "calibrated" for s in scales) + " |")
     print("|---" * (len(scales) + 2) + "|")
     with tempfile.TemporaryDirectory() as tmp:
         for arch in CONFIGS:
