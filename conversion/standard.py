@@ -147,7 +147,8 @@ def attnres_config_from_standard(config: PretrainedConfig, *, block_size: Option
     fields["mlp_bias"] = getattr(config, "mlp_bias", False)
     fields["qk_norm"] = arch == "Qwen3ForCausalLM"
     fields["attn_res_mode"] = mode
-    fields["attn_res_block_size"] = block_size or default_block_size(config.num_hidden_layers)
+    fields["attn_res_block_size"] = block_size if block_size is not None else default_block_size(
+        config.num_hidden_layers)
     fields["architectures"] = ["AttnResForCausalLM"]
     try:
         return AttnResConfig(**fields)

@@ -124,6 +124,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, llama_src, monkeypatch)
 def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
     refuse(tmp_path, llama_src, "--stream-scale must be positive, got -2", stream_scale=-2.0)
     refuse(tmp_path, llama_src, "--dtype 'int8' is not supported; expected auto, float32", dtype="int8")
+    refuse(tmp_path, llama_src, "attn_res_block_size is the number of transformer layers per block", block_size=0)
     refuse(tmp_path, tmp_path / "nowhere" / "x", "is not an existing path and not a Hub repo id")
     (tmp_path / "notes.txt").write_text("x")
     refuse(tmp_path, tmp_path / "notes.txt", "is not a state dict")
