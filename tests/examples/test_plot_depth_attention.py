@@ -26,8 +26,9 @@ def png_size(path):
 def test_cli_runs_headless_on_the_shipped_model(tmp_path):
     out = tmp_path / "depth.png"
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND", "WAYLAND_DISPLAY")}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "plot_depth_attention.py"), str(SHIPPED_MODEL),
-                           "--out", str(out), "--max-tokens", "256"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    command = [sys.executable, str(EXAMPLES / "plot_depth_attention.py"), str(SHIPPED_MODEL),
+               "--out", str(out), "--max-tokens", "256"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
     width, height = png_size(out)
     assert width > 300 and height > 300

@@ -45,6 +45,19 @@ def test_resume_continues_exactly_where_it_stopped(tiny_corpus, tmp_path):
         assert torch.equal(tensor, b["model"][name]), name
 
 
+def test_compare_prints_both_tables(tiny_corpus, tmp_path, capsys):
+    import compare
+
+    run(tiny_corpus, tmp_path / "done", "--steps", "8")
+    run(tiny_corpus, tmp_path / "llama", "--arch", "llama", "--steps", "8", "--stop-after", "6")
+    assert compare.main([str(tmp_path / "done"), str(tmp_path / "llama"), "--window", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "| Block AttnRes | " in out.split("\n\n")[0] and "Llama" not in out.split("\n\n")[0]
+    assert "online loss, steps 3-6" in out and "| Llama baseline | 768 |" in out
+    with pytest.raises(SystemExit, match="does not exist"):
+        compare.main([str(tmp_path / "missing")])
+
+
 def test_resume_refuses_a_checkpoint_from_other_arguments(tiny_corpus, tmp_path):
     run(tiny_corpus, tmp_path, "--steps", "10", "--stop-after", "4")
     with pytest.raises(SystemExit, match="different arguments.*lr.*--no-resume"):
