@@ -268,3 +268,23 @@ def test_device_map_loading(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu", dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
     assert model(torch.randint(3, 97, (1, 4))).logits.dtype == torch.bfloat16
+
+
+def test_seed_names_load_and_resave_with_the_spec_names(tmp_path):
+    """The spec: the seed pseudo-code's `attn_res_proj` / `attn_res_norm` are accepted on load."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(seed=14)
+    model.save_pretrained(tmp_path / "seed")
+    sd = load_file(tmp_path / "seed" / "model.safetensors")
+    seed_sd = {k.replace("self_attention_res_", "attn_res_"): v for k, v in sd.items()}
+    assert any(".attn_res_proj." in k for k in seed_sd)
+    save_file(seed_sd, tmp_path / "seed" / "model.safetensors", metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "seed", attn_implementation="eager")
+    ids = torch.randint(3, 97, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    loaded.save_pretrained(tmp_path / "resaved")
+    with safe_open(tmp_path / "resaved" / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(sd)
