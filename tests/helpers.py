@@ -47,3 +47,11 @@ def tiny_model(seed: int = 0, dtype=torch.float32, randomize: bool = True, **ove
     if randomize:
         randomize_depth_parameters(model, seed)
     return model
+
+
+def oracle_state_dict(model: torch.nn.Module, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    """The model's weights as `tests/oracle.py` takes them: `dtype`, no tied `lm_head` entry."""
+    sd = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd

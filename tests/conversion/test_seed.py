@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from attnres.conversion import ConversionError, ConvertOptions, convert
 from tests.conversion.builders import TINY, token_ids
-from tests.helpers import tiny_model
+from tests.helpers import oracle_state_dict, tiny_model
 from tests.oracle import naive_forward
 
 SEED_NAMES = {".self_attention_res_": ".attn_res_", "model.output_attn_res_": "model.final_attn_res_"}
@@ -33,13 +33,6 @@ def seed_state_dict(model, training_script: bool = True) -> dict[str, torch.Tens
 def seed_config(model, sublayers: int) -> dict:
     fields = {k: getattr(model.config, k) for k in TINY} | {"rms_norm_eps": model.config.rms_norm_eps}
     return fields | {"block_size": sublayers, "rope_parameters": model.config.rope_parameters}
-
-
-def oracle_state_dict(model) -> dict[str, torch.Tensor]:
-    sd = {k: v.double() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        sd.pop("lm_head.weight")
-    return sd
 
 
 @pytest.mark.parametrize("sublayers,mode,tied", [(4, "block", False), (6, "block", True), (1, "full", False)])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.helpers import tiny_model
+from tests.helpers import oracle_state_dict, tiny_model
 from tests.oracle import naive_forward
 
 CASES = {
@@ -18,20 +18,13 @@ CASES = {
 }
 
 
-def state_dict_of(model):
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    return sd
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_oracle_float64(case):
     model = tiny_model(seed=3, dtype=torch.float64, **CASES[case])
     ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids).logits
-    expected = naive_forward(state_dict_of(model), model.config, ids)
+    expected = naive_forward(oracle_state_dict(model, model.dtype), model.config, ids)
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)  # RoPE tables are float32 in Llama
 
 
@@ -41,7 +34,7 @@ def test_logits_match_oracle_float32(case):
     ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids).logits
-    sd64 = {k: v.double() for k, v in state_dict_of(model).items()}
+    sd64 = oracle_state_dict(model)
     expected = naive_forward(sd64, model.config, ids)
     torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-4)
 
@@ -52,7 +45,7 @@ def test_depth_attention_weights_match_oracle(case):
     ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = model(ids, output_depth_attentions=True)
-    _, expected = naive_forward(state_dict_of(model), model.config, ids, return_weights=True)
+    _, expected = naive_forward(oracle_state_dict(model), model.config, ids, return_weights=True)
     L = model.config.num_hidden_layers
     assert len(out.depth_attentions) == 2 * L + 1
     for got, want in zip(out.depth_attentions, expected):
