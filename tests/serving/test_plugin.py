@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from attnres.serving import cli
-from attnres.serving.builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY
+from attnres.serving.builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY, SHIPPED_MODEL, SHIPPED_SERVED_NAME
 
 SERVING_DIR = Path(__file__).resolve().parents[2] / "serving"
 
@@ -79,14 +79,19 @@ def test_pipeline_parallel_is_refused():
         check_no_pipeline_parallel(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2)))
 
 
-def test_serve_argv_defaults_to_builtin_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
+def test_serve_argv_defaults_to_the_shipped_model():
     argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
+    assert argv[:2] == ["serve", str(SHIPPED_MODEL)] and (SHIPPED_MODEL / "model.safetensors").exists()
+    assert argv[2:] == ["--port", "9000", "--served-model-name", SHIPPED_SERVED_NAME, "--host", "127.0.0.1",
+                        "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
+
+
+def test_serve_argv_builtin_random_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
+    argv = cli.serve_argv([BUILTIN_TINY], cpu=False, env={})
     assert argv[0] == "serve" and Path(argv[1], "config.json").exists()
     assert Path(argv[1]).parent == tmp_path
-    assert argv[2:] == ["--port", "9000", "--served-model-name", BUILTIN_SERVED_NAME, "--host", "127.0.0.1",
-                        "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
-    assert cli.serve_argv([BUILTIN_TINY], cpu=False, env={})[1] == argv[1]
+    assert argv[2:] == ["--served-model-name", BUILTIN_SERVED_NAME, "--host", "127.0.0.1"]
 
 
 def test_serve_argv_respects_given_options():
