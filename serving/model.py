@@ -7,12 +7,14 @@ cache, tensor-parallel linears); `AttnResAttention` only adds Qwen3-style q/k no
 mix over earlier blocks of the same token, computed by the project's one kernel
 (`modeling_attnres.depth_attention`).
 
-The depth history (stored blocks and the running partial) is per forward pass: vLLM hands the
-model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
+The depth history (stored blocks and the running partial) lives for one forward pass: vLLM hands
+the model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
 position, so nothing goes into the KV cache, and prefill, decode, chunked prefill and prefix caching
-need nothing extra. Which sites close a block is fixed at construction (a Python bool per layer),
-so the traced graph has no data-dependent branches and the number of stored blocks at each site is
-static under `torch.compile`.
+need nothing extra. The stored blocks are written into one preallocated block bank (`[max tokens,
+stored sources, d]` float32, sized by `max_num_batched_tokens` and reused by every step: no
+allocation and no growing copies per step); its contents mean nothing between steps. Which sites
+close a block, and how many sources each site reads, is fixed at construction (Python ints per
+layer), so the traced graph has no data-dependent branches under `torch.compile`.
 
 Pipeline parallelism is refused (the block bank would have to travel in `IntermediateTensors`).
 """
@@ -33,7 +35,15 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.sequence import IntermediateTensors
 
 from modeling_attnres.configuration_attnres import AttnResConfig
-from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
+from modeling_attnres.depth_attention import (
+    DepthBank,
+    add_to_partial,
+    allocate_bank,
+    bank_prefix,
+    fold_queries,
+    mix_site,
+    store_source,
+)
 
 # HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
 # `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the regexes accept the seed
@@ -79,18 +89,25 @@ class AttnResPseudoQuery(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
 
-def mix(stored: DepthBank, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
-    """Mix one site (stored sources `[tokens, n, d]`, partial `[tokens, d]`) with its folded query."""
+def mix(bank: DepthBank, n: int, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
+    """Mix one site over the first `n` stored sources of the bank and the partial `[tokens, d]`."""
     query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
+    stored = bank_prefix(bank, partial.shape[0], n)
     mixed, _ = mix_site(stored, partial, query, norm.variance_epsilon, proj.weight.dtype)
     return mixed
 
 
-def push_block(stored: DepthBank, partial: torch.Tensor, closes_block: bool, eps: float):
-    """At a block boundary the partial becomes a stored source and the new partial starts empty."""
+def push_block(bank: DepthBank, n: int, partial: torch.Tensor, closes_block: bool, eps: float):
+    """At a block boundary the partial is written to slot `n` of the bank and a new partial starts."""
     if not closes_block:
-        return stored, partial
-    return push_source(stored, partial, eps), None
+        return partial
+    store_source(bank, n, partial, eps)
+    return None
+
+
+def stored_before_site(site: int, sublayers_per_block: int) -> int:
+    """How many sources are stored when `site` mixes: the boundary sites before it."""
+    return -(-site // sublayers_per_block)
 
 
 class AttnResAttention(LlamaAttention):
@@ -152,20 +169,20 @@ class AttnResDecoderLayer(nn.Module):
         spb = config.sublayers_per_block
         self.attn_closes_block = (2 * layer_idx) % spb == 0
         self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
+        self.attn_sources = stored_before_site(2 * layer_idx, spb)
+        self.mlp_sources = stored_before_site(2 * layer_idx + 1, spb)
         self.eps = eps
 
-    def forward(self, positions: torch.Tensor, stored: DepthBank,
-                partial: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
-        """Returns the new `(stored, partial)`; a `DepthBank` of `[tokens, n, d]` and `[tokens, d]`."""
-        h = mix(stored, partial, self.self_attention_res_proj, self.self_attention_res_norm)
-        stored, partial = push_block(stored, partial, self.attn_closes_block, self.eps)
+    def forward(self, positions: torch.Tensor, bank: DepthBank, partial: torch.Tensor) -> torch.Tensor:
+        """Returns the new partial `[tokens, d]`; completed blocks are written into `bank`."""
+        h = mix(bank, self.attn_sources, partial, self.self_attention_res_proj, self.self_attention_res_norm)
+        partial = push_block(bank, self.attn_sources, partial, self.attn_closes_block, self.eps)
         h = self.self_attn(positions=positions, hidden_states=self.input_layernorm(h))
         partial = add_to_partial(partial, h)
 
-        h = mix(stored, partial, self.mlp_res_proj, self.mlp_res_norm)
-        stored, partial = push_block(stored, partial, self.mlp_closes_block, self.eps)
-        partial = add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
-        return stored, partial
+        h = mix(bank, self.mlp_sources, partial, self.mlp_res_proj, self.mlp_res_norm)
+        partial = push_block(bank, self.mlp_sources, partial, self.mlp_closes_block, self.eps)
+        return add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
 
 
 @support_torch_compile(
@@ -195,6 +212,11 @@ class AttnResModel(nn.Module):
         self.output_attn_res_proj = AttnResPseudoQuery(d)
         self.output_attn_res_norm = RMSNorm(d, eps=eps)
         self.norm = RMSNorm(d, eps=eps)
+        # The block bank: scratch for one step at a time, allocated once for the largest step.
+        self.output_sources = config.num_depth_sources - 1
+        bank = allocate_bank(vllm_config.scheduler_config.max_num_batched_tokens, self.output_sources, d)
+        self.register_buffer("bank_sources", bank.sources, persistent=False)
+        self.register_buffer("bank_inv_rms", bank.inv_rms, persistent=False)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[tokens, d]`."""
@@ -209,11 +231,11 @@ class AttnResModel(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states `[tokens, d]` for flattened `[tokens]` inputs."""
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        stored = empty_bank(embeds)                                    # [tokens, 0, d]
+        bank = DepthBank(self.bank_sources, self.bank_inv_rms)
         partial = add_to_partial(None, embeds)                         # the embedding: block 0
         for layer in self.layers:
-            stored, partial = layer(positions, stored, partial)
-        out = mix(stored, partial, self.output_attn_res_proj, self.output_attn_res_norm)
+            partial = layer(positions, bank, partial)
+        out = mix(bank, self.output_sources, partial, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(out)
 
 
