@@ -22,7 +22,8 @@ LOAD_WITHOUT_PACKAGE = textwrap.dedent(
         raise SystemExit("modeling_attnres is importable: the test would prove nothing")
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    path, ids_path, out_path = sys.argv[1:4]
+    path, ids_path, out_path, threads = sys.argv[1:5]
+    torch.set_num_threads(int(threads))             # same reduction order as the parent: exact logits
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     assert type(config).__module__.startswith("transformers_modules"), type(config).__module__
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, attn_implementation="eager").eval()
@@ -56,7 +57,7 @@ def test_remote_code_loads_in_a_fresh_interpreter_without_the_package(tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     result = subprocess.run(
         [sys.executable, "-c", LOAD_WITHOUT_PACKAGE, str(tmp_path / "ckpt"), str(tmp_path / "ids.pt"),
-         str(tmp_path / "logits.pt")],
+         str(tmp_path / "logits.pt"), str(torch.get_num_threads())],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
