@@ -48,6 +48,14 @@ REMOTE_CODE_AUTO_MAP = {
 }
 
 
+# The seed pseudo-code names the attention site `attn_res_proj` / `attn_res_norm`; the spec asks
+# loaders to accept them. Applied on load only: saving always writes the spec's names.
+SEED_KEY_ALIASES = {
+    r"\.attn_res_proj\.": ".self_attention_res_proj.",
+    r"\.attn_res_norm\.": ".self_attention_res_norm.",
+}
+
+
 def copy_remote_code(save_directory: str | os.PathLike) -> None:
     """Copy the flat modeling files next to a checkpoint (temporary name, then rename)."""
     here = Path(__file__).resolve().parent
@@ -166,6 +174,18 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {"attentions": [LlamaAttention, Qwen3Attention]}
+
+    @classmethod
+    def from_pretrained(cls, *args, key_mapping: Optional[dict[str, str]] = None, **kwargs):
+        """`PreTrainedModel.from_pretrained`, also accepting the seed names of the attention site."""
+        loaded = super().from_pretrained(*args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        # transformers reverses load-time renamings on save; the aliases must not be reversed.
+        conversions = getattr(model, "_weight_conversions", None) or []
+        model._weight_conversions = [
+            c for c in conversions if list(getattr(c, "source_patterns", [])) not in ([k] for k in SEED_KEY_ALIASES)
+        ] or None
+        return loaded
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the modeling files and `config.auto_map`, so that the

@@ -70,3 +70,15 @@ def test_tokenizer_round_trips_code_and_has_a_chat_template(shipped):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "import sys"}], tokenize=False,
                                            add_generation_prompt=True)
     assert prompt == "import sys"
+
+
+def test_shipped_remote_code_is_the_current_modeling_code():
+    """The model folder's copy of the modeling files (Hub remote code) must not drift from the package."""
+    from pathlib import Path
+
+    import modeling_attnres
+
+    package = Path(modeling_attnres.__file__).parent
+    for name in ("configuration_attnres.py", "depth_attention.py", "modeling_attnres.py"):
+        assert (SHIPPED_MODEL / name).read_text() == (package / name).read_text(), (
+            f"{SHIPPED_MODEL / name} is stale: copy it from {package / name} (or re-run save_pretrained)")
