@@ -143,7 +143,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """Returns the new `(stored, partial)` and, when asked, the weights of both sites."""
         state = DepthState(stored, partial)
         h, attn_site_weights = mix(state, self.self_attention_res_proj, self.self_attention_res_norm,
-                                        output_depth_attentions)
+                                   output_depth_attentions)
         state = push_block(state, self.attn_closes_block, self.eps)
         h, _ = self.self_attn(
             hidden_states=self.input_layernorm(h),
@@ -181,10 +181,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
         loaded = super().from_pretrained(*args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         # transformers reverses load-time renamings on save; the aliases must not be reversed.
+        aliases = [[pattern] for pattern in SEED_KEY_ALIASES]
         conversions = getattr(model, "_weight_conversions", None) or []
-        model._weight_conversions = [
-            c for c in conversions if list(getattr(c, "source_patterns", [])) not in ([k] for k in SEED_KEY_ALIASES)
-        ] or None
+        model._weight_conversions = [c for c in conversions if list(getattr(c, "source_patterns", [])) not in aliases]
+        model._weight_conversions = model._weight_conversions or None
         return loaded
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
