@@ -37,7 +37,8 @@ def acc(x: Tensor) -> Tensor:
 
 def fold_queries(proj_weights: Tensor, norm_weights: Tensor) -> Tensor:
     """Fold pseudo-queries `[S, d]` (or `[S, 1, d]`) and key-norm gains `[S, d]` into `[S, d]`."""
-    return acc(proj_weights.reshape(norm_weights.shape)) * acc(norm_weights)
+    # One cast: the product type-promotes a low-precision gain and is computed in float32.
+    return acc(proj_weights.reshape(norm_weights.shape)) * norm_weights
 
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
@@ -66,26 +67,6 @@ def push_source(bank: DepthBank, partial: Tensor, eps: float) -> DepthBank:
     partial = acc(partial)
     return DepthBank(torch.cat([bank.sources, partial.unsqueeze(-2)], dim=-2),
                      torch.cat([bank.inv_rms, inverse_rms(partial, eps).unsqueeze(-1)], dim=-1))
-
-
-def allocate_bank(tokens: int, num_sources: int, hidden_size: int, device=None) -> DepthBank:
-    """Preallocated bank buffers for up to `tokens` flat token rows and `num_sources` stored sources,
-    for inference engines that reuse one buffer across steps (see `store_source`)."""
-    return DepthBank(torch.zeros(tokens, num_sources, hidden_size, dtype=torch.float32, device=device),
-                     torch.zeros(tokens, num_sources, dtype=torch.float32, device=device))
-
-
-def bank_prefix(buffer: DepthBank, tokens: int, n: int) -> DepthBank:
-    """Views of the first `n` stored sources of the first `tokens` rows of a preallocated bank."""
-    return DepthBank(buffer.sources[:tokens, :n], buffer.inv_rms[:tokens, :n])
-
-
-def store_source(buffer: DepthBank, n: int, partial: Tensor, eps: float) -> None:
-    """`push_source` into slot `n` of a preallocated bank, in place (inference only: the write is
-    invisible to autograd). `partial` is `[tokens, d]`."""
-    tokens = partial.shape[0]
-    buffer.sources[:tokens, n] = partial
-    buffer.inv_rms[:tokens, n] = inverse_rms(partial, eps)
 
 
 def mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype: torch.dtype,

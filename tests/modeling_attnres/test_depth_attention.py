@@ -119,23 +119,3 @@ def test_bf16_sources_are_stored_and_accumulated_in_float32():
     partial = add_to_partial(add_to_partial(None, x), x)
     assert partial.dtype == torch.float32
     torch.testing.assert_close(partial, 2 * x.float())
-
-
-def test_preallocated_bank_equals_pushed_bank():
-    """The serving path (one buffer reused across steps, written in place) mixes exactly like the
-    functional bank, including when a later step uses fewer token rows than the buffer holds."""
-    from modeling_attnres.depth_attention import allocate_bank, bank_prefix, store_source
-
-    buffer = allocate_bank(tokens=8, num_sources=4, hidden_size=16)
-    query = torch.randn(16)
-    for tokens in (8, 3):                       # a prefill step, then a smaller decode step
-        sources = torch.randn(4, tokens, 16)
-        pushed = empty_bank(sources[0])
-        for n, source in enumerate(sources[:3]):
-            store_source(buffer, n, source, EPS)
-            pushed = push_source(pushed, source, EPS)
-        view = bank_prefix(buffer, tokens, 3)
-        assert torch.equal(view.sources, pushed.sources) and torch.equal(view.inv_rms, pushed.inv_rms)
-        a, _ = mix_site(view, sources[3], query, EPS, torch.float32)
-        b, _ = mix_site(pushed, sources[3], query, EPS, torch.float32)
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)   # strided vs contiguous matmul order
