@@ -3,66 +3,114 @@
     python bench/bench_transformers.py                   # the default size (hidden 1024, 16 layers)
     python bench/bench_transformers.py --hidden-size 256 --num-hidden-layers 4 --repeats 3
 
-Runs are alternated (AttnRes, Llama, AttnRes, ...) and medians reported with the AttnRes/Llama
-ratio. Peak memory is the peak RSS of a fresh process that builds the model and runs the prefill.
+Prefill runs are alternated (AttnRes, Llama, AttnRes, ...). Decoding runs the two models in lock
+step, one token each in turn (the order swapped every step), so that both see the same machine at
+the same moment: on a shared CPU the drift between whole runs is larger than the effect measured.
+Each repeat gives a paired AttnRes/Llama ratio; the table reports medians. Peak memory is the peak
+RSS of a fresh process that builds the model and runs the prefill.
+
+`--modes eager compiled` adds the transformers recipe for fast decoding (a `StaticCache` and
+`torch.compile(model.forward, fullgraph=True)`) for both models; compiling takes minutes on a CPU.
 """
 
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_size_arguments, alternate, build, markdown_table  # noqa: E402
+from common import add_size_arguments, alternate, build, markdown_table, synchronize  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def prefill_fn(model, tokens: torch.Tensor):
+def prefill_fn(forward, tokens: torch.Tensor):
     def run():
         with torch.inference_mode():
-            model(tokens, use_cache=False, logits_to_keep=1)
+            forward(tokens, use_cache=False, logits_to_keep=1)
     return run
 
 
-def decode_fn(model, prompt: torch.Tensor, new_tokens: int):
-    """Greedy decoding of `new_tokens` tokens after an (untimed-in-spirit, but included) short prompt."""
-    def run():
+class Decoder:
+    """Greedy decoding of one model, one step per `step()` call, with a dynamic or static cache."""
+
+    def __init__(self, model, forward, prompt: torch.Tensor, max_len: int, static: bool):
+        self.model, self.forward, self.static = model, forward, static
         with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
-            out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(new_tokens):
-                out = model(nxt, past_key_values=cache, use_cache=True)
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    return run
+            if static:
+                self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+            else:
+                self.cache = DynamicCache(config=model.config)
+            self.pos = prompt.shape[1]
+            out = model(prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                        cache_position=torch.arange(self.pos, device=prompt.device))
+            self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def step(self) -> None:
+        with torch.inference_mode():
+            position = torch.tensor([self.pos], device=self.next.device)
+            out = self.forward(self.next, past_key_values=self.cache, use_cache=True, cache_position=position,
+                               position_ids=position.expand(self.next.shape[0], 1))
+            self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+            self.pos += 1
 
 
-def time_workloads(args, dtype_name: str) -> list[list]:
+def lockstep_decode(models: dict, forwards: dict, prompt: torch.Tensor, new_tokens: int,
+                    static: bool) -> dict[str, float]:
+    """Seconds each model spends on `new_tokens` decoding steps, the models taking turns per step."""
+    decoders = {k: Decoder(models[k], forwards[k], prompt, prompt.shape[1] + new_tokens + 1, static) for k in models}
+    seconds = dict.fromkeys(models, 0.0)
+    order = list(models)
+    for i in range(new_tokens):
+        for kind in order if i % 2 == 0 else order[::-1]:
+            synchronize()
+            start = time.perf_counter()
+            decoders[kind].step()
+            synchronize()
+            seconds[kind] += time.perf_counter() - start
+    return seconds
+
+
+def time_decode(models, forwards, prompt, args, static) -> tuple[dict[str, float], float]:
+    """Median seconds per model and the median of the per-repeat paired ratios."""
+    lockstep_decode(models, forwards, prompt, 4, static)                       # warm-up (and compile)
+    runs = [lockstep_decode(models, forwards, prompt, args.new_tokens, static) for _ in range(args.repeats)]
+    med = {k: statistics.median(r[k] for r in runs) for k in models}
+    return med, statistics.median(r["attnres"] / r["llama"] for r in runs)
+
+
+def time_workloads(args, dtype_name: str, mode: str) -> list[list]:
     dtype = DTYPES[dtype_name]
     models = {kind: build(kind, args, dtype, device=args.device) for kind in ("attnres", "llama")}
+    compiled = mode == "compiled"
+    forwards = {k: torch.compile(m.forward, fullgraph=True, dynamic=False) if compiled else m
+                for k, m in models.items()}
     gen = torch.Generator().manual_seed(0)
     rows = []
     tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), generator=gen).to(args.device)
-    med = alternate({k: prefill_fn(m, tokens) for k, m in models.items()}, args.repeats)
-    rows.append(row(f"prefill 1x{args.prefill_tokens}", dtype_name, med, args.prefill_tokens))
+    runs = {k: prefill_fn(f, tokens) for k, f in forwards.items()}
+    med = alternate(runs, args.repeats)
+    rows.append(row(f"prefill 1x{args.prefill_tokens}", dtype_name, mode, med, med["attnres"] / med["llama"],
+                    args.prefill_tokens))
     for batch in args.decode_batches:
         prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_tokens), generator=gen).to(args.device)
-        med = alternate({k: decode_fn(m, prompt, args.new_tokens) for k, m in models.items()}, args.repeats)
-        rows.append(row(f"decode {batch}x{args.new_tokens} (prompt {args.prompt_tokens})", dtype_name, med,
-                        batch * args.new_tokens))
+        med, ratio = time_decode(models, forwards, prompt, args, static=compiled)
+        rows.append(row(f"decode {batch}x{args.new_tokens} (prompt {args.prompt_tokens})", dtype_name, mode, med,
+                        ratio, batch * args.new_tokens))
     return rows
 
 
-def row(name, dtype_name, med, tokens):
+def row(name, dtype_name, mode, med, ratio, tokens):
     a, l = med["attnres"], med["llama"]
-    return [name, dtype_name, f"{a * 1e3:.1f}", f"{l * 1e3:.1f}", f"{tokens / a:.1f}", f"{tokens / l:.1f}",
-            f"**{a / l:.3f}**"]
+    return [name, dtype_name, mode, f"{a * 1e3:.1f}", f"{l * 1e3:.1f}", f"{tokens / a:.1f}", f"{tokens / l:.1f}",
+            f"**{ratio:.3f}**"]
 
 
 def memory_probe(args) -> None:
@@ -119,6 +167,8 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "compiled"),
+                        help="eager, and/or StaticCache + torch.compile(fullgraph=True) for both models")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -135,8 +185,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads; hidden {args.hidden_size}, "
           f"{args.num_hidden_layers} layers, block size {args.block_size} ({args.mode})\n")
-    rows = [r for dtype_name in args.dtypes for r in time_workloads(args, dtype_name)]
-    print(markdown_table(["workload", "dtype", "AttnRes ms", "Llama ms", "AttnRes tok/s", "Llama tok/s",
+    rows = [r for mode in args.modes for dtype_name in args.dtypes for r in time_workloads(args, dtype_name, mode)]
+    print(markdown_table(["workload", "dtype", "mode", "AttnRes ms", "Llama ms", "AttnRes tok/s", "Llama tok/s",
                           "ratio"], rows))
     if args.device.startswith("cuda") and not args.no_memory:
         print()

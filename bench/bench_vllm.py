@@ -3,9 +3,12 @@
     python bench/bench_vllm.py                          # default size, 64 prompts x 128 new tokens
     python bench/bench_vllm.py --hidden-size 256 --num-hidden-layers 4 --prompts 16 --new-tokens 32
 
-Both models are random, same dimensions, saved once to a temporary folder. Every measurement runs
-in a fresh process (one vLLM engine per process), alternating AttnRes and Llama; the engine start
-and a warm-up batch are excluded, only `LLM.generate` over all prompts is timed.
+Both models are random, same dimensions, saved once to a temporary folder. One process holds both
+vLLM engines (in-process engine cores) and times `LLM.generate` over all prompts for each in turn,
+the order swapped every repeat, so that each repeat gives a paired AttnRes/Llama ratio measured under
+the same machine conditions (between separate processes this shared CPU drifts by 10-20 %). Engine
+start-up, compilation and a warm-up batch are excluded. transformers `generate()` runs in its own
+process on the same prompts.
 """
 
 import argparse
@@ -44,20 +47,29 @@ def prompt_ids(args) -> list[list[int]]:
 
 
 def run_vllm(args) -> dict:
-    """In a fresh process: one engine, a warm-up, then the timed batch."""
+    """In a fresh process: both engines, a warm-up each, then `--repeats` alternating timed batches."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.probe_path, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              kv_cache_memory_bytes=args.kv_cache_bytes, max_model_len=args.prompt_tokens + args.new_tokens + 8,
-              seed=0)
+    paths = dict(zip(("attnres", "llama"), args.probe_path.split(os.pathsep)))
+    engines = {kind: LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                         kv_cache_memory_bytes=args.kv_cache_bytes,
+                         max_model_len=args.prompt_tokens + args.new_tokens + 8, seed=0)
+               for kind, path in paths.items()}
     params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, ignore_eos=True,
                             temperature=0.0, detokenize=False)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(args)]
-    llm.generate(prompts[:2], params, use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+    for llm in engines.values():
+        llm.generate(prompts[:2], params, use_tqdm=False)
+    runs = []
+    for repeat in range(args.repeats):
+        run = {}
+        for kind in list(engines) if repeat % 2 == 0 else list(engines)[::-1]:
+            start = time.perf_counter()
+            outputs = engines[kind].generate(prompts, params, use_tqdm=False)
+            run[kind] = {"seconds": time.perf_counter() - start,
+                         "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+        runs.append(run)
+    return {"runs": runs}
 
 
 def run_transformers(args) -> dict:
@@ -78,17 +90,12 @@ def run_transformers(args) -> dict:
     return {"seconds": seconds, "tokens": int((out.shape[1] - ids.shape[1]) * out.shape[0])}
 
 
-def probe(engine: str, path: Path, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--probe", engine, "--probe-path", str(path)] + argv
+def probe(engine: str, path: str, argv: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--probe", engine, "--probe-path", path] + argv
     done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} probe failed on {path}:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def summarize(results: list[dict]) -> tuple[float, float]:
-    tok_s = [r["tokens"] / r["seconds"] for r in results]
-    return statistics.median(tok_s), statistics.median(r["seconds"] for r in results)
 
 
 def main(argv=None) -> None:
@@ -99,22 +106,22 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="attnres-bench-") as tmp:
         paths = write_models(args, Path(tmp))
-        runs = {"vllm attnres": [], "vllm llama": [], "transformers attnres": []}
-        for _ in range(args.repeats):
-            runs["vllm attnres"].append(probe("vllm", paths["attnres"], argv))
-            runs["vllm llama"].append(probe("vllm", paths["llama"], argv))
-        if not args.skip_transformers:
-            runs["transformers attnres"].append(probe("transformers", paths["attnres"], argv))
-    med = {name: summarize(r) for name, r in runs.items() if r}
+        vllm_runs = probe("vllm", os.pathsep.join(str(paths[k]) for k in ("attnres", "llama")), argv)["runs"]
+        hf = None if args.skip_transformers else probe("transformers", str(paths["attnres"]), argv)
+    seconds = {k: statistics.median(r[k]["seconds"] for r in vllm_runs) for k in ("attnres", "llama")}
+    tokens = vllm_runs[0]["attnres"]["tokens"]
+    ratio = statistics.median(r["attnres"]["seconds"] / r["llama"]["seconds"] for r in vllm_runs)
     mode = "eager" if args.enforce_eager else "compiled"
     print(f"{args.prompts} prompts x {args.prompt_tokens} tokens -> {args.new_tokens} new tokens, {args.dtype}, "
-          f"vLLM {mode}; hidden {args.hidden_size}, {args.num_hidden_layers} layers, block size {args.block_size}\n")
-    rows = [[name, f"{s:.2f}", f"{t:.1f}"] for name, (t, s) in med.items()]
+          f"vLLM {mode}; hidden {args.hidden_size}, {args.num_hidden_layers} layers, block size {args.block_size}; "
+          f"{args.repeats} alternating repeats\n")
+    rows = [[f"vLLM {k}", f"{seconds[k]:.2f}", f"{tokens / seconds[k]:.1f}"] for k in ("attnres", "llama")]
+    if hf:
+        rows.append(["transformers generate(), attnres", f"{hf['seconds']:.2f}", f"{hf['tokens'] / hf['seconds']:.1f}"])
     print(markdown_table(["engine / model", "seconds", "generated tok/s"], rows))
-    ratio = med["vllm attnres"][1] / med["vllm llama"][1]
-    print(f"\nvLLM time ratio AttnRes/Llama: **{ratio:.3f}**")
-    if "transformers attnres" in med:
-        speedup = med["vllm attnres"][0] / med["transformers attnres"][0]
+    print(f"\nvLLM time ratio AttnRes/Llama (median of paired repeats): **{ratio:.3f}**")
+    if hf:
+        speedup = (tokens / seconds["attnres"]) / (hf["tokens"] / hf["seconds"])
         print(f"vLLM vs transformers generate() on AttnRes (tok/s): **{speedup:.2f}x**")
 
 
@@ -125,7 +132,7 @@ def parse_args(argv):
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true", help="turn vLLM's torch.compile off")
     parser.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
     parser.add_argument("--skip-transformers", action="store_true")
