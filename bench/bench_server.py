@@ -7,7 +7,10 @@ Starts one server on a free loopback port (127.0.0.1 only) and stops its process
 Each client sends `--requests-per-client` completions one after another (bounded: no open-ended
 loop), `max_tokens` new tokens each with `ignore_eos`, so every request generates the same amount.
 Reports requests/s, generated tokens/s, p50/p99 latency and errors, then the same prompts through
-transformers `generate()` as one batch of the largest concurrency, for the tokens/s ratio.
+transformers `generate()` in the same dtype, two ways: one request at a time (what answering
+concurrent requests with plain `generate()` amounts to, with no batching scheduler) and all prompts
+of the largest concurrency as one padded batch (static batching, known in advance: an upper bound
+no server receiving independent requests reaches), with the server's tokens/s ratio to each.
 """
 
 import argparse
@@ -52,23 +55,33 @@ async def load(url, model, concurrency, n_requests, max_tokens):
                 p50=statistics.median(lat), p99=p99, errors=errors)
 
 
-def transformers_tokens_per_second(model_path, batch, max_tokens) -> float:
-    """transformers `generate()` on `batch` prompts at once (left-padded), the same `max_tokens`."""
+def transformers_tokens_per_second(model_path, prompts, max_tokens, dtype: str) -> float:
+    """transformers `generate()` on `prompts` as one left-padded batch, `max_tokens` new tokens each."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import modeling_attnres  # noqa: F401
 
     tok = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     enc = tok(prompts, return_tensors="pt", padding=True)
     with torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id)
         seconds = time.perf_counter() - start
-    return (out.shape[1] - enc["input_ids"].shape[1]) * batch / seconds
+    return (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts) / seconds
+
+
+def transformers_baselines(model_path, args) -> dict[str, float]:
+    """tokens/s of `generate()` one request at a time, and of one batch of the largest concurrency."""
+    top = max(args.concurrency)
+    sequential = [transformers_tokens_per_second(model_path, [PROMPTS[i % len(PROMPTS)]], args.max_tokens,
+                                                 args.dtype) for i in range(args.sequential_requests + 1)][1:]
+    batch = [PROMPTS[i % len(PROMPTS)] for i in range(top)]
+    return {"generate(), one request at a time": sum(sequential) / len(sequential),
+            f"generate(), {top} prompts as one batch": transformers_tokens_per_second(model_path, batch,
+                                                                                       args.max_tokens, args.dtype)}
 
 
 def main(argv=None) -> None:
@@ -77,7 +90,8 @@ def main(argv=None) -> None:
     from attnres.serving.launcher import ServerProcess
 
     model_path = resolve_model(args.model)
-    server_args = [model_path, "--served-model-name", "bench", "--max-num-seqs", str(max(args.concurrency))]
+    server_args = [model_path, "--served-model-name", "bench", "--max-num-seqs", str(max(args.concurrency)),
+                   "--dtype", args.dtype]
     if args.enforce_eager:
         server_args.append("--enforce-eager")
     rows = []
@@ -92,11 +106,11 @@ def main(argv=None) -> None:
                 print(f"errors at concurrency {c}: {r['errors'][:3]}")
     print(markdown_table(["clients", "requests", "req/s", "gen tok/s", "p50 ms", "p99 ms", "errors"], rows))
     if not args.skip_transformers:
-        top = max(args.concurrency)
-        hf = transformers_tokens_per_second(model_path, top, args.max_tokens)
-        served = float(rows[-1][3])
-        print(f"\ntransformers generate(), batch {top}: {hf:.1f} tok/s; vLLM server at {top} clients: "
-              f"{served:.1f} tok/s; ratio **{served / hf:.2f}x**")
+        served, top = float(rows[-1][3]), max(args.concurrency)
+        print(f"\nvLLM server at {top} clients: {served:.1f} tok/s ({args.dtype}) against transformers:\n")
+        print(markdown_table(["transformers baseline", "tok/s", f"server at {top} clients / baseline"],
+                             [[name, f"{tps:.1f}", f"**{served / tps:.2f}x**"]
+                              for name, tps in transformers_baselines(model_path, args).items()]))
 
 
 def parse_args(argv):
@@ -107,6 +121,10 @@ def parse_args(argv):
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the server's and transformers' dtype")
+    parser.add_argument("--sequential-requests", type=int, default=4,
+                        help="requests timed one at a time for the transformers baseline (after one warm-up)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     return parser.parse_args(argv)
