@@ -3,7 +3,7 @@
     python bench/bench_transformers.py                   # the default size (hidden 1024, 16 layers)
     python bench/bench_transformers.py --hidden-size 256 --num-hidden-layers 4 --repeats 3
 
-Prefill runs are alternated (AttnRes, Llama, AttnRes, ...). Decoding runs the two models in lock
+Prefill runs are alternated (AttnRes, Llama, AttnRes, ...), each adjacent pair giving a ratio. Decoding runs the two models in lock
 step, one token each in turn (the order swapped every step), so that both see the same machine at
 the same moment: on a shared CPU the drift between whole runs is larger than the effect measured.
 Each repeat gives a paired AttnRes/Llama ratio; the table reports medians. Peak memory is the peak
@@ -39,17 +39,19 @@ def prefill_fn(forward, tokens: torch.Tensor):
 
 
 class Decoder:
-    """Greedy decoding of one model, one step per `step()` call, with a dynamic or static cache."""
+    """Greedy decoding of one model, one step per `step()` call. `cache` is a `StaticCache` reused
+    (reset) across runs, so that a compiled forward sees the same cache object and never recompiles;
+    `None` means a fresh `DynamicCache`."""
 
-    def __init__(self, model, forward, prompt: torch.Tensor, max_len: int, static: bool):
-        self.model, self.forward, self.static = model, forward, static
+    def __init__(self, model, forward, prompt: torch.Tensor, cache: StaticCache | None):
+        self.forward = forward
         with torch.inference_mode():
-            if static:
-                self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+            if cache is None:
+                cache = DynamicCache(config=model.config)
             else:
-                self.cache = DynamicCache(config=model.config)
-            self.pos = prompt.shape[1]
-            out = model(prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                cache.reset()
+            self.cache, self.pos = cache, prompt.shape[1]
+            out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
                         cache_position=torch.arange(self.pos, device=prompt.device))
             self.next = out.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -62,10 +64,10 @@ class Decoder:
             self.pos += 1
 
 
-def lockstep_decode(models: dict, forwards: dict, prompt: torch.Tensor, new_tokens: int,
-                    static: bool) -> dict[str, float]:
+def lockstep_decode(models: dict, forwards: dict, caches: dict, prompt: torch.Tensor,
+                    new_tokens: int) -> dict[str, float]:
     """Seconds each model spends on `new_tokens` decoding steps, the models taking turns per step."""
-    decoders = {k: Decoder(models[k], forwards[k], prompt, prompt.shape[1] + new_tokens + 1, static) for k in models}
+    decoders = {k: Decoder(models[k], forwards[k], prompt, caches[k]) for k in models}
     seconds = dict.fromkeys(models, 0.0)
     order = list(models)
     for i in range(new_tokens):
@@ -80,8 +82,10 @@ def lockstep_decode(models: dict, forwards: dict, prompt: torch.Tensor, new_toke
 
 def time_decode(models, forwards, prompt, args, static) -> tuple[dict[str, float], float]:
     """Median seconds per model and the median of the per-repeat paired ratios."""
-    lockstep_decode(models, forwards, prompt, 4, static)                       # warm-up (and compile)
-    runs = [lockstep_decode(models, forwards, prompt, args.new_tokens, static) for _ in range(args.repeats)]
+    max_len = prompt.shape[1] + args.new_tokens + 1
+    caches = {k: StaticCache(config=m.config, max_cache_len=max_len) if static else None for k, m in models.items()}
+    lockstep_decode(models, forwards, caches, prompt, 4)                       # warm-up (and compile)
+    runs = [lockstep_decode(models, forwards, caches, prompt, args.new_tokens) for _ in range(args.repeats)]
     med = {k: statistics.median(r[k] for r in runs) for k in models}
     return med, statistics.median(r["attnres"] / r["llama"] for r in runs)
 
@@ -96,9 +100,10 @@ def time_workloads(args, dtype_name: str, mode: str) -> list[list]:
     rows = []
     tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), generator=gen).to(args.device)
     runs = {k: prefill_fn(f, tokens) for k, f in forwards.items()}
-    med = alternate(runs, args.repeats)
-    rows.append(row(f"prefill 1x{args.prefill_tokens}", dtype_name, mode, med, med["attnres"] / med["llama"],
-                    args.prefill_tokens))
+    paired = []
+    med = alternate(runs, args.repeats, paired=paired)
+    ratio = statistics.median(r["attnres"] / r["llama"] for r in paired)
+    rows.append(row(f"prefill 1x{args.prefill_tokens}", dtype_name, mode, med, ratio, args.prefill_tokens))
     for batch in args.decode_batches:
         prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_tokens), generator=gen).to(args.device)
         med, ratio = time_decode(models, forwards, prompt, args, static=compiled)

@@ -49,8 +49,10 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def alternate(runs: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Time each callable `repeats` times, alternating between them; returns median seconds."""
+def alternate(runs: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
+              paired: list | None = None) -> dict[str, float]:
+    """Time each callable `repeats` times, alternating between them; returns median seconds. If
+    `paired` is a list, each repeat's `{name: seconds}` is appended to it (for paired ratios)."""
     for _ in range(warmup):
         for fn in runs.values():
             fn()
@@ -62,6 +64,8 @@ def alternate(runs: dict[str, Callable[[], None]], repeats: int, warmup: int = 1
             fn()
             synchronize()
             times[name].append(time.perf_counter() - start)
+        if paired is not None:
+            paired.append({name: t[-1] for name, t in times.items()})
     return {name: statistics.median(t) for name, t in times.items()}
 
 
