@@ -37,7 +37,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
+from .depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_block
 
 
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "modeling_attnres.py")
@@ -85,26 +85,10 @@ class AttnResPseudoQuery(nn.Linear):
         super().__init__(hidden_size, 1, bias=False)
 
 
-@dataclass
-class DepthState:
-    """The depth history at a layer boundary: the stored sources (a token-major `DepthBank`) and
-    the running partial `[batch, seq, d]`. Passed from layer to layer; never kept on a module."""
-
-    stored: DepthBank
-    partial: Optional[torch.Tensor]
-
-
-def mix(state: DepthState, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
+def mix(stored: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
     """Mix one site from its own pseudo-query and key norm (folded into one query)."""
     query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
-    return mix_site(state.stored, state.partial, query, norm.variance_epsilon, proj.weight.dtype, keep_weights)
-
-
-def push_block(state: DepthState, closes_block: bool, eps: float) -> DepthState:
-    """At a block boundary the partial becomes a stored source and a new partial starts empty."""
-    if not closes_block:
-        return state
-    return DepthState(push_source(state.stored, state.partial, eps), None)
+    return mix_site(stored, partial, query, norm.variance_epsilon, proj.weight.dtype, keep_weights)
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
@@ -141,10 +125,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[DepthBank, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Returns the new `(stored, partial)` and, when asked, the weights of both sites."""
-        state = DepthState(stored, partial)
-        h, attn_site_weights = mix(state, self.self_attention_res_proj, self.self_attention_res_norm,
+        h, attn_site_weights = mix(stored, partial, self.self_attention_res_proj, self.self_attention_res_norm,
                                    output_depth_attentions)
-        state = push_block(state, self.attn_closes_block, self.eps)
+        stored, partial = push_block(stored, partial, self.attn_closes_block, self.eps)
         h, _ = self.self_attn(
             hidden_states=self.input_layernorm(h),
             attention_mask=attention_mask,
@@ -154,12 +137,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        state.partial = add_to_partial(state.partial, h)
+        partial = add_to_partial(partial, h)
 
-        h, mlp_site_weights = mix(state, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
-        state = push_block(state, self.mlp_closes_block, self.eps)
-        state.partial = add_to_partial(state.partial, self.mlp(self.post_attention_layernorm(h)))
-        return state.stored, state.partial, attn_site_weights, mlp_site_weights
+        h, mlp_site_weights = mix(stored, partial, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
+        stored, partial = push_block(stored, partial, self.mlp_closes_block, self.eps)
+        partial = add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
+        return stored, partial, attn_site_weights, mlp_site_weights
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -302,8 +285,8 @@ class AttnResModel(AttnResPreTrainedModel):
             if output_depth_attentions:
                 depth_attentions += [attn_site_weights, mlp_site_weights]
 
-        out, output_site_weights = mix(DepthState(stored, partial), self.output_attn_res_proj,
-                                            self.output_attn_res_norm, output_depth_attentions)
+        out, output_site_weights = mix(stored, partial, self.output_attn_res_proj, self.output_attn_res_norm,
+                                       output_depth_attentions)
         hidden_states = self.norm(out)
         if output_hidden_states:
             all_hidden_states[-1] = hidden_states

@@ -11,7 +11,7 @@ The depth history (stored blocks and the running partial) lives for one forward 
 the model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
 position, so nothing goes into the KV cache, and prefill, decode, chunked prefill and prefix caching
 need nothing extra. The stored blocks are a functional `DepthBank` (`[tokens, n, d]` float32), grown
-by `push_source` exactly as in the transformers model. It is deliberately not a preallocated module
+by `push_block` exactly as in the transformers model. It is deliberately not a preallocated module
 buffer written in place: under `torch.compile` (vLLM's default) an in-place write into a buffer is
 functionalised into a copy of the *whole* buffer (`[max_num_batched_tokens, blocks, d]`) per write,
 measured at 230 ms per 64-token decode step at the default benchmark size, against 3.5 ms for all
@@ -45,7 +45,7 @@ from modeling_attnres.depth_attention import (
     empty_bank,
     fold_queries,
     mix_site,
-    push_source,
+    push_block,
 )
 
 # HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
@@ -97,14 +97,6 @@ def mix(bank: DepthBank, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: 
     query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
     mixed, _ = mix_site(bank, partial, query, norm.variance_epsilon, proj.weight.dtype)
     return mixed
-
-
-def push_block(bank: DepthBank, partial: torch.Tensor, closes_block: bool,
-               eps: float) -> tuple[DepthBank, torch.Tensor | None]:
-    """At a block boundary the partial is stored in the bank and a new partial starts."""
-    if not closes_block:
-        return bank, partial
-    return push_source(bank, partial, eps), None
 
 
 class AttnResAttention(LlamaAttention):

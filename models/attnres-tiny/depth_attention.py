@@ -69,6 +69,15 @@ def push_source(bank: DepthBank, partial: Tensor, eps: float) -> DepthBank:
                      torch.cat([bank.inv_rms, inverse_rms(partial, eps).unsqueeze(-1)], dim=-1))
 
 
+def push_block(bank: DepthBank, partial: Tensor, closes_block: bool,
+               eps: float) -> tuple[DepthBank, Optional[Tensor]]:
+    """After a site that closes a block, the partial becomes a stored source and a new partial starts
+    empty (`None`); otherwise both pass through. `closes_block` is fixed per site at construction."""
+    if not closes_block:
+        return bank, partial
+    return push_source(bank, partial, eps), None
+
+
 def mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype: torch.dtype,
              keep_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """Mix one site over the stored sources and the partial `[*tokens, d]`.
