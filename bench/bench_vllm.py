@@ -119,7 +119,8 @@ def main(argv=None) -> None:
     if hf:
         rows.append(["transformers generate(), attnres", f"{hf['seconds']:.2f}", f"{hf['tokens'] / hf['seconds']:.1f}"])
     print(markdown_table(["engine / model", "seconds", "generated tok/s"], rows))
-    print(f"\nvLLM time ratio AttnRes/Llama (median of paired repeats): **{ratio:.3f}**")
+    spread = ", ".join(f"{r['attnres']['seconds'] / r['llama']['seconds']:.3f}" for r in vllm_runs)
+    print(f"\nvLLM time ratio AttnRes/Llama (median of paired repeats): **{ratio:.3f}** (repeats: {spread})")
     if hf:
         speedup = (tokens / seconds["attnres"]) / (hf["tokens"] / hf["seconds"])
         print(f"vLLM vs transformers generate() on AttnRes (tok/s): **{speedup:.2f}x**")
