@@ -17,19 +17,9 @@ of the whole bank at every site, and the partial sums are exact to float32 rathe
 bfloat16 after every sublayer. Callers keep bank and partial as locals of `forward`, never on a
 module or in the KV cache: depth attention only ever mixes vectors of one token position.
 
-Two ways to run a site, both exact and with no branch on shapes or values (so every site traces the
-same way under torch.compile, the first one, with no stored source, included):
-- `mix_site`: one pass per site over the bank. Needs only the site's own query, so it suits a model
-  whose layers own their parameters (transformers: FSDP shards them per layer).
-- The spec's two-phase scheme, for a caller that holds every site's query (vLLM): the sites between
-  two block boundaries read the same stored sources, so `summarize_bank` reads the bank once for all
-  of them (one matmul for their scores, one for their weighted sums), and `merge_partial` then adds
-  each site's running partial with an exact online-softmax step. At block size k that reads the
-  bank twice per block instead of twice per site, 2k times less; `site_group` / `group_sites` give
-  the schedule.
-
-This module imports torch only: the transformers model, the vLLM model and the converters all run
-this code.
+`mix_site` is one pass per site with no branch on shapes or values, so it traces the same way under
+torch.compile for every site, the first one (no stored source) included. This module imports torch
+only: the transformers model, the vLLM model and the converters all run this code.
 """
 
 from typing import NamedTuple, Optional
@@ -105,55 +95,6 @@ def mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype:
     stored_mix = (weights[..., :-1].unsqueeze(-2) @ src).squeeze(-2)          # [*tokens, d]
     mixed = torch.addcmul(stored_mix, weights[..., -1:], p)
     return mixed.to(dtype), (weights if keep_weights else None)
-
-
-class BankSummary(NamedTuple):
-    """Phase 1 for a group of `S` sites reading the same bank: per site, the log-sum-exp of its scores
-    over the stored sources `lse [*tokens, S]` (-inf with none), their softmax-weighted sum
-    `mixed [*tokens, S, d]` (zero with none) and the softmax weights `weights [*tokens, n, S]`."""
-
-    lse: Tensor
-    mixed: Tensor
-    weights: Tensor
-
-
-def summarize_bank(bank: DepthBank, queries: Tensor) -> BankSummary:
-    """Score and mix the stored sources for the folded `queries [S, d]` of a group of sites at once."""
-    src = bank.sources                                                         # [*tokens, n, d]
-    q = queries if queries.dtype == src.dtype else queries.to(src.dtype)
-    scores = (src @ q.T) * bank.inv_rms.unsqueeze(-1)                          # [*tokens, n, S]
-    lse = torch.logsumexp(scores, dim=-2)                                      # [*tokens, S]
-    weights = torch.exp(scores - lse.unsqueeze(-2))
-    return BankSummary(lse, weights.transpose(-1, -2) @ src, weights)          # mixed [*tokens, S, d]
-
-
-def merge_partial(summary: BankSummary, row: int, partial: Tensor, query: Tensor, eps: float,
-                  dtype: torch.dtype) -> Tensor:
-    """Phase 2: the mix of site `row` of `summary`, adding the partial `[*tokens, d]` (query `[d]`).
-
-    Online softmax: the stored sources together weigh `sigmoid(lse - s_p)` against the partial's
-    score `s_p`, so the mix is `lerp(partial, mixed, sigmoid(lse - s_p))`: exactly the partial when
-    no source is stored (lse = -inf), with the query still in the autograd graph.
-    """
-    p = acc(partial)
-    q = query if query.dtype == p.dtype else query.to(p.dtype)
-    partial_score = (p @ q) * inverse_rms(p, eps)                              # [*tokens]
-    stored_weight = torch.sigmoid(summary.lse[..., row] - partial_score)
-    mixed = torch.lerp(p, summary.mixed[..., row, :], stored_weight.unsqueeze(-1))
-    return mixed.to(dtype)
-
-
-def site_group(site: int, sites_per_block: int) -> int:
-    """The bank a site reads, as the number of sources stored before it. Site `j` (attention of layer
-    `l` is `2l`, its MLP `2l + 1`, the output site `2L`) follows the blocks closed after sites 0,
-    `sites_per_block`, `2 * sites_per_block`, ...: `ceil(j / sites_per_block)` of them."""
-    return -(-site // sites_per_block)
-
-
-def group_sites(group: int, sites_per_block: int, num_sites: int) -> range:
-    """The sites that read bank `group` (see `site_group`), for `num_sites = 2L + 1` sites."""
-    first = 0 if group == 0 else (group - 1) * sites_per_block + 1
-    return range(first, min(group * sites_per_block, num_sites - 1) + 1)
 
 
 def add_to_partial(partial: Optional[Tensor], output: Tensor) -> Tensor:

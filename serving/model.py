@@ -17,14 +17,8 @@ functionalised into a copy of the *whole* buffer (`[max_num_batched_tokens, bloc
 measured at 230 ms per 64-token decode step at the default benchmark size, against 3.5 ms for all
 of AttnRes's compiled depth-attention code with the functional bank (its growing copies included),
 whose memory inductor plans like any other activation.
-
-Unlike the transformers model, which mixes each site in one pass over the bank with its own query
-(its layers own their parameters, which FSDP shards per layer), this model runs the spec's
-two-phase scheme: it folds every site's query once per forward (`site_queries`), and when a block
-closes, `summarize_bank` scores and mixes the new bank for all the sites that will read it at once;
-each site then merges its running partial (`merge_partial`). A site is bound by reading the bank
-(memory bandwidth), so this reads it 2k times less at block size k. The schedule (`DepthSite`) is
-Python ints fixed at construction, so the traced graph has no data-dependent branches.
+Which sites close a block is fixed at construction (Python bools per layer), so the traced graph
+has no data-dependent branches.
 
 Pipeline parallelism is refused (the block bank would have to travel in `IntermediateTensors`).
 """
@@ -46,16 +40,12 @@ from vllm.sequence import IntermediateTensors
 
 from modeling_attnres.configuration_attnres import AttnResConfig
 from modeling_attnres.depth_attention import (
-    BankSummary,
     DepthBank,
     add_to_partial,
     empty_bank,
     fold_queries,
-    group_sites,
-    merge_partial,
+    mix_site,
     push_block,
-    site_group,
-    summarize_bank,
 )
 
 # HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
@@ -102,33 +92,11 @@ class AttnResPseudoQuery(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
 
-class DepthSite:
-    """Where site `index` sits in the two-phase schedule (Python ints, fixed at construction): its row
-    in the summary of the sites sharing its bank and, if it closes a block, the next group's sites."""
-
-    def __init__(self, index: int, config: AttnResConfig):
-        spb, num_sites = config.sublayers_per_block, 2 * config.num_hidden_layers + 1
-        group = site_group(index, spb)
-        self.index = index
-        self.row = index - group_sites(group, spb, num_sites).start
-        closes = index % spb == 0 and index < num_sites - 1
-        following = group_sites(group + 1, spb, num_sites) if closes else None
-        self.next_group = slice(following.start, following.stop) if closes else None
-
-
-def mix(site: DepthSite, summary: BankSummary, partial: torch.Tensor, queries: torch.Tensor, eps: float,
-        dtype: torch.dtype) -> torch.Tensor:
-    """Phase 2 of `site`: merge its running partial `[tokens, d]` into the summary of its bank."""
-    return merge_partial(summary, site.row, partial, queries[site.index], eps, dtype)
-
-
-def close_block(site: DepthSite, bank: DepthBank, summary: BankSummary, partial: torch.Tensor,
-                queries: torch.Tensor, eps: float) -> tuple[DepthBank, BankSummary, torch.Tensor | None]:
-    """After a site that closes a block: store the partial and run phase 1 for the next group's sites."""
-    bank, partial = push_block(bank, partial, site.next_group is not None, eps)
-    if site.next_group is not None:
-        summary = summarize_bank(bank, queries[site.next_group])
-    return bank, summary, partial
+def mix(bank: DepthBank, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
+    """Mix one site over the stored sources of the bank and the partial `[tokens, d]`."""
+    query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
+    mixed, _ = mix_site(bank, partial, query, norm.variance_epsilon, proj.weight.dtype)
+    return mixed
 
 
 class AttnResAttention(LlamaAttention):
@@ -186,22 +154,23 @@ class AttnResDecoderLayer(nn.Module):
         self.self_attention_res_norm = RMSNorm(d, eps=eps)
         self.mlp_res_proj = AttnResPseudoQuery(d)
         self.mlp_res_norm = RMSNorm(d, eps=eps)
-        self.attn_site, self.mlp_site = DepthSite(2 * layer_idx, config), DepthSite(2 * layer_idx + 1, config)
+        # Site j = 2 * layer_idx (+1 for the MLP) closes a block when j % sublayers_per_block == 0.
+        spb = config.sublayers_per_block
+        self.attn_closes_block = (2 * layer_idx) % spb == 0
+        self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
         self.eps = eps
 
-    def forward(self, positions: torch.Tensor, bank: DepthBank, summary: BankSummary, partial: torch.Tensor,
-                queries: torch.Tensor) -> tuple[DepthBank, BankSummary, torch.Tensor]:
-        """Mixes both sites (folded `queries [2L + 1, d]` of all sites); returns the bank and its
-        summary (updated if a block closes here) and the new partial `[tokens, d]`."""
-        dtype = self.self_attention_res_proj.weight.dtype
-        h = mix(self.attn_site, summary, partial, queries, self.eps, dtype)
-        bank, summary, partial = close_block(self.attn_site, bank, summary, partial, queries, self.eps)
+    def forward(self, positions: torch.Tensor, bank: DepthBank,
+                partial: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
+        """Mixes both sites; returns the bank (with any block closed here) and the new partial `[tokens, d]`."""
+        h = mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm)
+        bank, partial = push_block(bank, partial, self.attn_closes_block, self.eps)
         h = self.self_attn(positions=positions, hidden_states=self.input_layernorm(h))
         partial = add_to_partial(partial, h)
 
-        h = mix(self.mlp_site, summary, partial, queries, self.eps, dtype)
-        bank, summary, partial = close_block(self.mlp_site, bank, summary, partial, queries, self.eps)
-        return bank, summary, add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
+        h = mix(bank, partial, self.mlp_res_proj, self.mlp_res_norm)
+        bank, partial = push_block(bank, partial, self.mlp_closes_block, self.eps)
+        return bank, add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
 
 
 @support_torch_compile(
@@ -230,17 +199,7 @@ class AttnResModel(nn.Module):
         )
         self.output_attn_res_proj = AttnResPseudoQuery(d)
         self.output_attn_res_norm = RMSNorm(d, eps=eps)
-        self.output_site = DepthSite(2 * config.num_hidden_layers, config)
         self.norm = RMSNorm(d, eps=eps)
-        self.eps = eps
-
-    def site_queries(self) -> torch.Tensor:
-        """The folded query of every site, `[2L + 1, d]` in site order (attention, MLP, ..., output)."""
-        sites = [(layer.self_attention_res_proj, layer.self_attention_res_norm, layer.mlp_res_proj, layer.mlp_res_norm)
-                 for layer in self.layers]
-        projs = [m.weight for site in sites for m in site[0::2]] + [self.output_attn_res_proj.weight]
-        norms = [m.weight for site in sites for m in site[1::2]] + [self.output_attn_res_norm.weight]
-        return fold_queries(torch.cat(projs), torch.stack(norms))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[tokens, d]`."""
@@ -255,13 +214,11 @@ class AttnResModel(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states `[tokens, d]` for flattened `[tokens]` inputs."""
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        queries = self.site_queries()                                  # [2L + 1, d]
         partial = add_to_partial(None, embeds)                         # the embedding: block 0
         bank = empty_bank(partial)
-        summary = summarize_bank(bank, queries[:1])                    # site 0 reads no stored source
         for layer in self.layers:
-            bank, summary, partial = layer(positions, bank, summary, partial, queries)
-        out = mix(self.output_site, summary, partial, queries, self.eps, self.output_attn_res_proj.weight.dtype)
+            bank, partial = layer(positions, bank, partial)
+        out = mix(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(out)
 
 

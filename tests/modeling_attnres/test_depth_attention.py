@@ -3,18 +3,7 @@
 import pytest
 import torch
 
-from modeling_attnres.depth_attention import (
-    DepthBank,
-    add_to_partial,
-    empty_bank,
-    fold_queries,
-    group_sites,
-    merge_partial,
-    mix_site,
-    push_source,
-    site_group,
-    summarize_bank,
-)
+from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
 from tests.oracle import naive_mix
 
 EPS = 1e-6
@@ -130,85 +119,3 @@ def test_bf16_sources_are_stored_and_accumulated_in_float32():
     partial = add_to_partial(add_to_partial(None, x), x)
     assert partial.dtype == torch.float32
     torch.testing.assert_close(partial, 2 * x.float())
-
-
-def random_group(n_sites, d=16, seed=0):
-    gen = torch.Generator().manual_seed(100 + seed)
-    w = torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
-    gain = 1 + 0.5 * torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
-    return w, gain
-
-
-@pytest.mark.parametrize("tokens", [(1,), (2, 3), (7,)])
-@pytest.mark.parametrize("n_stored", [0, 1, 3, 8, 32])
-@pytest.mark.parametrize("n_sites", [1, 4, 24])                           # Full, block 2, block 12
-def test_two_phase_group_matches_oracle(n_stored, tokens, n_sites):
-    sources, _, _ = random_case(n_stored, tokens=tokens, seed=n_stored) if n_stored else (None, None, None)
-    w, gain = random_group(n_sites, seed=n_stored)
-    partials = torch.randn(n_sites, *tokens, 16, dtype=torch.float64) * 3
-    stored = bank(list(sources) if n_stored else [], partials[0])
-    queries = fold_queries(w, gain)
-    summary = summarize_bank(stored, queries)
-    for row in range(n_sites):                     # each site of the group with its own partial
-        expected, _ = naive_mix([*(sources if n_stored else []), partials[row]], w[row], gain[row], EPS)
-        out = merge_partial(summary, row, partials[row], queries[row], EPS, torch.float64)
-        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-
-
-def test_two_phase_first_site_is_exactly_the_partial_and_keeps_the_query_in_the_graph():
-    partial = torch.randn(2, 3, 16)
-    queries = torch.randn(2, 16, requires_grad=True)
-    summary = summarize_bank(empty_bank(partial), queries)
-    out = merge_partial(summary, 1, partial, queries[1], EPS, torch.float32)
-    assert torch.equal(out, partial)
-    out.sum().backward()
-    assert queries.grad is not None and torch.count_nonzero(queries.grad) == 0
-
-
-def test_two_phase_bf16_and_large_scores():
-    sources, w, gain = random_case(5, dtype=torch.bfloat16)
-    stored = bank(list(sources[:4]), None)
-    queries = fold_queries(w[None].bfloat16() * 1e4, gain[None].bfloat16())
-    out = merge_partial(summarize_bank(stored, queries), 0, sources[4], queries[0], EPS, torch.bfloat16)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
-    expected, _ = naive_mix(list(sources.double()), w.bfloat16().double() * 1e4, gain.bfloat16().double(), EPS)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)
-
-
-def test_two_phase_gradients_match_oracle():
-    sources, _, _ = random_case(4)
-    w, gain = random_group(3)
-    queries = fold_queries(w, gain).requires_grad_(True)
-    src = sources.clone().requires_grad_(True)
-    summary = summarize_bank(bank(list(src[:3])), queries)
-    out = sum(merge_partial(summary, row, src[3], queries[row], EPS, torch.float64) for row in range(3))
-    (out * torch.arange(16.0, dtype=torch.float64)).sum().backward()
-    src2, w2 = sources.clone().requires_grad_(True), (w * gain).clone().requires_grad_(True)
-    ones = torch.ones(16, dtype=torch.float64)
-    expected = sum(naive_mix(list(src2), w2[row], ones, EPS)[0] for row in range(3))
-    (expected * torch.arange(16.0, dtype=torch.float64)).sum().backward()
-    torch.testing.assert_close(src.grad, src2.grad)
-    torch.testing.assert_close(queries.grad, w2.grad)
-
-
-@pytest.mark.parametrize("layers, block_size", [(16, 2), (6, 1), (5, 3), (4, 4), (93, 12)])
-def test_site_groups_follow_the_spec_schedule(layers, block_size):
-    """Replay the spec's pseudo-code, counting stored blocks at every site (layers x 2 + output)."""
-    stored_before, n_stored = [], 0
-    for layer in range(layers):
-        stored_before.append(n_stored)                                     # attention site
-        n_stored += layer % block_size == 0
-        stored_before.append(n_stored)                                     # MLP site
-    stored_before.append(n_stored)                                         # output site
-    num_sites = 2 * layers + 1
-    spb = 2 * block_size
-    assert [site_group(j, spb) for j in range(num_sites)] == stored_before
-    groups = [list(group_sites(g, spb, num_sites)) for g in range(stored_before[-1] + 1)]
-    assert sum(groups, []) == list(range(num_sites))
-    assert all(site_group(j, spb) == g for g, sites in enumerate(groups) for j in sites)
-
-
-def test_full_attnres_sites_each_read_their_own_bank():
-    """Full AttnRes (one sublayer per block): site j reads the embedding and the j - 1 outputs before it."""
-    assert [site_group(j, 1) for j in range(9)] == list(range(9))
-    assert [list(group_sites(g, 1, 9)) for g in range(9)] == [[g] for g in range(9)]

@@ -1,0 +1,220 @@
+"""The depth-attention work of one forward pass on its own: per-site mixing vs the spec's two-phase scheme.
+
+    python bench/bench_depth.py                        # default size; eager, compiled, piecewise; 1..2048 tokens
+    python bench/bench_depth.py --tokens 64 512 --modes piecewise
+
+Replays what a model does on its residual path, with the sublayers replaced by fixed random outputs,
+for the sites of `--num-hidden-layers` layers plus the output site:
+- `llama`: the residual stream (each site reads it, each sublayer output is added to it);
+- `per-site`: AttnRes as both models run it, one `mix_site` pass over the bank per site;
+- `two-phase`: the spec's alternative, written here (not in the models): when a block closes, score
+  and mix the new bank for all the sites that will read it at once (one matmul each, phase 1); each
+  site then merges its running partial with an exact online-softmax step (phase 2). It reads the
+  bank twice per block instead of twice per site. It is checked against `mix_site` before timing.
+Modes: `eager`; `compiled`, the whole pass as one graph (like transformers' `torch.compile(fullgraph=
+True)`); `piecewise`, each stretch between two attention ops compiled as its own graph (like vLLM).
+All three paths run in one process, alternating, several repeats; the table gives median milliseconds
+per forward and what AttnRes adds over the residual stream. Unlike the whole-model benchmarks this
+isolates the part that differs, so it is far less noisy on a shared machine.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_size_arguments, markdown_table  # noqa: E402
+
+from modeling_attnres.depth_attention import (  # noqa: E402
+    DepthBank,
+    acc,
+    add_to_partial,
+    empty_bank,
+    inverse_rms,
+    mix_site,
+    push_block,
+)
+
+EPS = 1e-6
+
+
+class BankSummary(NamedTuple):
+    """Phase 1 for `S` sites reading one bank: log-sum-exp of their scores over the stored sources
+    `lse [tokens, S]` (-inf with none) and their softmax-weighted sums `mixed [tokens, S, d]`."""
+
+    lse: Tensor
+    mixed: Tensor
+
+
+def summarize_bank(bank: DepthBank, queries: Tensor) -> BankSummary:
+    """Phase 1: score and mix the stored sources for the folded `queries [S, d]` at once."""
+    src = bank.sources                                                         # [tokens, n, d]
+    scores = (src @ queries.T) * bank.inv_rms.unsqueeze(-1)                    # [tokens, n, S]
+    lse = torch.logsumexp(scores, dim=-2)                                      # [tokens, S]
+    weights = torch.exp(scores - lse.unsqueeze(-2))
+    return BankSummary(lse, weights.transpose(-1, -2) @ src)
+
+
+def merge_partial(summary: BankSummary, row: int, partial: Tensor, query: Tensor, dtype: torch.dtype) -> Tensor:
+    """Phase 2: the stored sources together weigh `sigmoid(lse - s_p)` against the partial's score."""
+    p = acc(partial)
+    partial_score = (p @ query) * inverse_rms(p, EPS)                          # [tokens]
+    stored_weight = torch.sigmoid(summary.lse[..., row] - partial_score)
+    return torch.lerp(p, summary.mixed[..., row, :], stored_weight.unsqueeze(-1)).to(dtype)
+
+
+def site_group(site: int, spb: int) -> int:
+    """Blocks stored before site `site` (they close after sites 0, spb, 2 spb, ...)."""
+    return -(-site // spb)
+
+
+def group_sites(group: int, spb: int, num_sites: int) -> range:
+    """The sites that read the bank with `group` stored sources."""
+    first = 0 if group == 0 else (group - 1) * spb + 1
+    return range(first, min(group * spb, num_sites - 1) + 1)
+
+
+def llama_step(state: tuple, site: int, outputs: torch.Tensor, queries: torch.Tensor, spb: int):
+    """The standard residual stream: a site reads the running sum, then its sublayer adds to it."""
+    (residual,) = state
+    return (residual + outputs[site],) if site < len(outputs) else state, residual
+
+
+def per_site_step(state: tuple, site: int, outputs: torch.Tensor, queries: torch.Tensor, spb: int):
+    """AttnRes as both models run it: one `mix_site` pass over the bank per site."""
+    bank, partial = state
+    read = mix_site(bank, partial, queries[site], EPS, outputs.dtype)[0]
+    if site == len(outputs):
+        return state, read
+    bank, partial = push_block(bank, partial, site % spb == 0, EPS)
+    return (bank, add_to_partial(partial, outputs[site])), read
+
+
+def two_phase_step(state: tuple, site: int, outputs: torch.Tensor, queries: torch.Tensor, spb: int):
+    """The two-phase scheme: phase 1 once per bank, phase 2 per site."""
+    bank, summary, partial = state
+    group = site_group(site, spb)
+    row = site - group_sites(group, spb, len(queries)).start
+    read = merge_partial(summary, row, partial, queries[site], outputs.dtype)
+    if site == len(outputs):
+        return state, read
+    if site % spb == 0:
+        bank, partial = push_block(bank, partial, True, EPS)
+        following = group_sites(group + 1, spb, len(queries))
+        summary = summarize_bank(bank, queries[following.start:following.stop])
+    return (bank, summary, add_to_partial(partial, outputs[site])), read
+
+
+def initial_state(name: str, embeds: torch.Tensor, queries: torch.Tensor) -> tuple:
+    """Each path's state before site 0: the residual, or the empty bank and the embedding as partial."""
+    if name == "llama":
+        return (embeds,)
+    bank, partial = empty_bank(embeds), add_to_partial(None, embeds)
+    return (bank, partial) if name == "per-site" else (bank, summarize_bank(bank, queries[:1]), partial)
+
+
+STEPS = {"llama": llama_step, "per-site": per_site_step, "two-phase": two_phase_step}
+
+
+def run_piece(step: Callable, state: tuple, sites: tuple[int, ...], outputs: torch.Tensor, queries: torch.Tensor,
+              spb: int) -> tuple[tuple, list[torch.Tensor]]:
+    """The sites between two attention ops (what vLLM compiles as one piece)."""
+    reads = []
+    for site in sites:
+        state, read = step(state, site, outputs, queries, spb)
+        reads.append(read)
+    return state, reads
+
+
+def forward(step: Callable, piece: Callable, state: tuple, pieces: list[tuple[int, ...]], outputs: torch.Tensor,
+            queries: torch.Tensor, spb: int) -> list[torch.Tensor]:
+    """All sites of a forward pass, piece by piece."""
+    reads = []
+    for sites in pieces:
+        state, piece_reads = piece(step, state, sites, outputs, queries, spb)
+        reads += piece_reads
+    return reads
+
+
+def time_paths(paths: dict[str, Callable[[], object]], repeats: int, iters: int) -> dict[str, float]:
+    """Median seconds per call of each path, alternating paths within every repeat."""
+    for fn in paths.values():
+        fn()
+    times = {name: [] for name in paths}
+    for repeat in range(repeats):
+        for name in list(paths) if repeat % 2 == 0 else list(paths)[::-1]:
+            start = time.perf_counter()
+            for _ in range(iters):
+                paths[name]()
+            times[name].append((time.perf_counter() - start) / iters)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run(tokens: int, mode: str, args) -> dict[str, float]:
+    """Check two-phase against per-site on random inputs, then time the three paths in `mode`."""
+    gen = torch.Generator().manual_seed(0)
+    d, sites = args.hidden_size, 2 * args.num_hidden_layers
+    dtype = getattr(torch, args.dtype)
+    embeds = torch.randn(tokens, d, generator=gen).to(dtype)
+    outputs = torch.randn(sites, tokens, d, generator=gen).to(dtype)
+    queries = torch.randn(sites + 1, d, generator=gen) * d ** -0.5
+    spb = 1 if args.mode == "full" else 2 * args.block_size
+    # Pieces between attention ops: [site 0], [MLP l, attention l + 1], ..., [last MLP, output site].
+    pieces = [(0,)] + [(j, j + 1) for j in range(1, sites, 2)]
+    torch._dynamo.reset()                                      # each piece is its own graph: 3 x pieces
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(pieces))
+    paths = {}
+    for name, step in STEPS.items():
+        if mode == "compiled":
+            whole = torch.compile(forward, dynamic=False, fullgraph=True)
+            paths[name] = lambda step=step, name=name, whole=whole: whole(
+                step, run_piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
+        else:
+            piece = run_piece if mode == "eager" else torch.compile(run_piece, dynamic=False, fullgraph=True)
+            paths[name] = lambda step=step, name=name, piece=piece: forward(
+                step, piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
+    with torch.inference_mode():
+        reference = forward(per_site_step, run_piece, initial_state("per-site", embeds, queries), pieces, outputs,
+                            queries, spb)
+        two = forward(two_phase_step, run_piece, initial_state("two-phase", embeds, queries), pieces, outputs,
+                      queries, spb)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2                # the reads are cast to `dtype`
+        for got, want in zip(two, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        iters = max(1, args.work // (tokens * d))
+        return time_paths(paths, args.repeats, iters)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)                   # only hidden size, layers, block size and mode matter here
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
+    parser.add_argument("--modes", nargs="+", choices=("eager", "compiled", "piecewise"),
+                        default=["eager", "compiled", "piecewise"])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--work", type=int, default=1 << 20, help="token x hidden elements per timed batch")
+    args = parser.parse_args(argv)
+    rows = []
+    for mode in args.modes:
+        for tokens in args.tokens:
+            t = run(tokens, mode, args)
+            extra = {name: (t[name] - t["llama"]) * 1e3 for name in ("per-site", "two-phase")}
+            rows.append([mode, tokens, *(f"{t[name] * 1e3:.2f}" for name in STEPS),
+                         f"{extra['per-site']:.2f}", f"{extra['two-phase']:.2f}",
+                         f"**{t['per-site'] / t['two-phase']:.2f}x**"])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; hidden {args.hidden_size}, "
+          f"{args.num_hidden_layers} layers, {args.mode} (block size {args.block_size}), {args.dtype}; "
+          f"median of {args.repeats} alternating repeats, ms per forward\n")
+    print(markdown_table(["mode", "tokens", "llama residual", "per-site", "two-phase", "per-site extra",
+                          "two-phase extra", "per-site / two-phase"], rows))
+
+
+if __name__ == "__main__":
+    main()
