@@ -46,8 +46,7 @@ def test_bench_vllm_pairs_both_engines_in_one_process():
 def test_bench_depth_checks_two_phase_against_mix_site_and_reports_both():
     """The two-phase alternative is compared with `mix_site` inside the script before it is timed."""
     out = run("bench_depth.py", "--num-hidden-layers", "2", "--tokens", "1", "5", "--modes", "eager", "piecewise",
-              "--repeats", "1",
-              "--work", "1024")
+              "--repeats", "1", "--work", "1024")
     rows = [line for line in out.splitlines() if line.startswith("| eager") or line.startswith("| piecewise")]
     assert len(rows) == 4, out
     assert len(ratios(out)) == 4 and all(r > 0 for r in ratios(out)), out
