@@ -7,8 +7,10 @@ Both models are random, same dimensions, saved once to a temporary folder. One p
 vLLM engines (in-process engine cores) and times `LLM.generate` over all prompts for each in turn,
 the order swapped every repeat, so that each repeat gives a paired AttnRes/Llama ratio measured under
 the same machine conditions (between separate processes this shared CPU drifts by 10-20 %). Engine
-start-up, compilation and a warm-up batch are excluded. transformers `generate()` runs in its own
-process on the same prompts.
+start-up (loading and compilation) is reported in its own column and, like a warm-up batch, kept
+out of the timings; for cold compile times, run with `VLLM_DISABLE_COMPILE_CACHE=1
+TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0`. transformers `generate()` runs in
+its own process on the same prompts.
 """
 
 import argparse
@@ -51,10 +53,13 @@ def run_vllm(args) -> dict:
     from vllm import LLM, SamplingParams
 
     paths = dict(zip(("attnres", "llama"), args.probe_path.split(os.pathsep)))
-    engines = {kind: LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                         kv_cache_memory_bytes=args.kv_cache_bytes,
-                         max_model_len=args.prompt_tokens + args.new_tokens + 8, seed=0)
-               for kind, path in paths.items()}
+    engines, startup = {}, {}
+    for kind, path in paths.items():
+        start = time.perf_counter()
+        engines[kind] = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                            kv_cache_memory_bytes=args.kv_cache_bytes,
+                            max_model_len=args.prompt_tokens + args.new_tokens + 8, seed=0)
+        startup[kind] = time.perf_counter() - start                   # loading + compilation
     params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, ignore_eos=True,
                             temperature=0.0, detokenize=False)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(args)]
@@ -69,7 +74,7 @@ def run_vllm(args) -> dict:
             run[kind] = {"seconds": time.perf_counter() - start,
                          "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
         runs.append(run)
-    return {"runs": runs}
+    return {"runs": runs, "startup": startup}
 
 
 def run_transformers(args) -> dict:
@@ -106,7 +111,8 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="attnres-bench-") as tmp:
         paths = write_models(args, Path(tmp))
-        vllm_runs = probe("vllm", os.pathsep.join(str(paths[k]) for k in ("attnres", "llama")), argv)["runs"]
+        vllm = probe("vllm", os.pathsep.join(str(paths[k]) for k in ("attnres", "llama")), argv)
+        vllm_runs = vllm["runs"]
         hf = None if args.skip_transformers else probe("transformers", str(paths["attnres"]), argv)
     seconds = {k: statistics.median(r[k]["seconds"] for r in vllm_runs) for k in ("attnres", "llama")}
     tokens = vllm_runs[0]["attnres"]["tokens"]
@@ -115,10 +121,12 @@ def main(argv=None) -> None:
     print(f"{args.prompts} prompts x {args.prompt_tokens} tokens -> {args.new_tokens} new tokens, {args.dtype}, "
           f"vLLM {mode}; hidden {args.hidden_size}, {args.num_hidden_layers} layers, block size {args.block_size}; "
           f"{args.repeats} alternating repeats\n")
-    rows = [[f"vLLM {k}", f"{seconds[k]:.2f}", f"{tokens / seconds[k]:.1f}"] for k in ("attnres", "llama")]
+    rows = [[f"vLLM {k}", f"{seconds[k]:.2f}", f"{tokens / seconds[k]:.1f}", f"{vllm['startup'][k]:.0f}"]
+            for k in ("attnres", "llama")]
     if hf:
-        rows.append(["transformers generate(), attnres", f"{hf['seconds']:.2f}", f"{hf['tokens'] / hf['seconds']:.1f}"])
-    print(markdown_table(["engine / model", "seconds", "generated tok/s"], rows))
+        rows.append(["transformers generate(), attnres", f"{hf['seconds']:.2f}", f"{hf['tokens'] / hf['seconds']:.1f}",
+                     "-"])
+    print(markdown_table(["engine / model", "seconds", "generated tok/s", "engine start-up s"], rows))
     spread = ", ".join(f"{r['attnres']['seconds'] / r['llama']['seconds']:.3f}" for r in vllm_runs)
     print(f"\nvLLM time ratio AttnRes/Llama (median of paired repeats): **{ratio:.3f}** (repeats: {spread})")
     if hf:
