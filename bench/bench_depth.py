@@ -20,16 +20,14 @@ isolates the part that differs, so it is far less noisy on a shared machine.
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_size_arguments, markdown_table  # noqa: E402
+from common import add_size_arguments, alternate, markdown_table  # noqa: E402
 
 from modeling_attnres.depth_attention import (  # noqa: E402
     DepthBank,
@@ -142,20 +140,6 @@ def forward(step: Callable, piece: Callable, state: tuple, pieces: list[tuple[in
     return reads
 
 
-def time_paths(paths: dict[str, Callable[[], object]], repeats: int, iters: int) -> dict[str, float]:
-    """Median seconds per call of each path, alternating paths within every repeat."""
-    for fn in paths.values():
-        fn()
-    times = {name: [] for name in paths}
-    for repeat in range(repeats):
-        for name in list(paths) if repeat % 2 == 0 else list(paths)[::-1]:
-            start = time.perf_counter()
-            for _ in range(iters):
-                paths[name]()
-            times[name].append((time.perf_counter() - start) / iters)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def run(tokens: int, mode: str, args) -> dict[str, float]:
     """Check two-phase against per-site on random inputs, then time the three paths in `mode`."""
     gen = torch.Generator().manual_seed(0)
@@ -188,7 +172,8 @@ def run(tokens: int, mode: str, args) -> dict[str, float]:
         for got, want in zip(two, reference, strict=True):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         iters = max(1, args.work // (tokens * d))
-        return time_paths(paths, args.repeats, iters)
+        batches = {name: lambda fn=fn: [fn() for _ in range(iters)] for name, fn in paths.items()}
+        return {name: seconds / iters for name, seconds in alternate(batches, args.repeats).items()}
 
 
 def main(argv=None) -> None:
