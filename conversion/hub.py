@@ -9,10 +9,11 @@ from typing import Optional
 
 from huggingface_hub import HfApi
 
+from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
+
 from .errors import ConversionError
 
-REQUIRED_FILES = ("config.json", "modeling_attnres.py", "configuration_attnres.py", "depth_attention.py",
-                  "README.md")
+REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md")
 
 
 def push_folder(folder: Path, repo_id: str, *, private: Optional[bool] = None, token: Optional[str] = None,

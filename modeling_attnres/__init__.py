@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_attnres import AttnResConfig
 from .depth_attention import fold_queries, mix_site
+from .depth_attention_cpu import enable_cpu_kernel
 from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel
 
 
@@ -20,4 +21,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["AttnResConfig", "AttnResModel", "AttnResForCausalLM", "AttnResPreTrainedModel", "fold_queries", "mix_site"]
+__all__ = ["AttnResConfig", "AttnResModel", "AttnResForCausalLM", "AttnResPreTrainedModel", "enable_cpu_kernel",
+           "fold_queries", "mix_site"]

@@ -38,9 +38,10 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
 from .depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_block
+from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site
 
 
-REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "modeling_attnres.py")
+REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py", "modeling_attnres.py")
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_attnres.AttnResConfig",
     "AutoModel": "modeling_attnres.AttnResModel",
@@ -86,7 +87,11 @@ class AttnResPseudoQuery(nn.Linear):
 
 
 def mix(stored: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
-    """Mix one site from its own pseudo-query and key norm (folded into one query)."""
+    """Mix one site from its own pseudo-query and key norm (folded into one query); by the fused CPU
+    kernel where it is enabled and applies (see `depth_attention_cpu`), else by the torch reference."""
+    if cpu_kernel_applies(partial):                                    # folds the query in C++
+        return fused_mix_site(stored, partial, proj.weight, norm.variance_epsilon, proj.weight.dtype,
+                              keep_weights, gain=norm.weight)
     query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
     return mix_site(stored, partial, query, norm.variance_epsilon, proj.weight.dtype, keep_weights)
 

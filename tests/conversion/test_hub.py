@@ -18,6 +18,7 @@ from huggingface_hub import constants
 from transformers import AutoModelForCausalLM
 
 from attnres.conversion.cli import main
+from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.conversion.builders import hub_cache_snapshot, rel_diff, save_source, source_model, token_ids
 from tests.conversion.fake_hub import FakeHub
 
@@ -32,6 +33,7 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[3], trust_remote_code=True
 with torch.no_grad():
     logits = model(torch.load(sys.argv[4])).logits
 from attnres.conversion.cli import main
+from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 status = main([sys.argv[1], sys.argv[2]])                       # SRC pulled by repo id from the cache
 torch.save({"status": status, "logits": logits, "module": type(model).__module__}, sys.argv[5])
 """
@@ -66,8 +68,8 @@ def test_push_goes_through_the_upload_client(hub_run):
     assert hub_run["push_status"] == 0
     assert hub.unexpected == [] and len(hub.commits) == 1 and hub.commits[0]["repo"] == "me/tiny-attnres"
     assert hub.commits[0]["files"] == sorted(p.name for p in pushed.iterdir())
-    assert {"config.json", "modeling_attnres.py", "depth_attention.py", "configuration_attnres.py", "README.md",
-            "tokenizer.json", "model.safetensors"} <= set(hub.commits[0]["files"])
+    assert {"config.json", *REMOTE_CODE_FILES, "README.md", "tokenizer.json", "model.safetensors"} <= set(
+        hub.commits[0]["files"])
     assert any(call.startswith("PUT /lfs-upload/") for call in hub.calls)   # weights went through Git LFS
     assert hub.card_metadata["library_name"] == "transformers" and "attnres" in hub.card_metadata["tags"]
 

@@ -77,8 +77,9 @@ def test_shipped_remote_code_is_the_current_modeling_code():
     from pathlib import Path
 
     import modeling_attnres
+    from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 
     package = Path(modeling_attnres.__file__).parent
-    for name in ("configuration_attnres.py", "depth_attention.py", "modeling_attnres.py"):
+    for name in REMOTE_CODE_FILES:
         assert (SHIPPED_MODEL / name).read_text() == (package / name).read_text(), (
             f"{SHIPPED_MODEL / name} is stale: copy it from {package / name} (or re-run save_pretrained)")

@@ -8,6 +8,7 @@ import textwrap
 
 import torch
 
+from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.helpers import tiny_model
 
 LOAD_WITHOUT_PACKAGE = textwrap.dedent(
@@ -40,7 +41,7 @@ def test_saved_folder_carries_remote_code(tmp_path):
     model = tiny_model(seed=20, qk_norm=True)
     model.save_pretrained(tmp_path / "ckpt")
     files = set(os.listdir(tmp_path / "ckpt"))
-    assert {"configuration_attnres.py", "modeling_attnres.py", "depth_attention.py"} <= files
+    assert set(REMOTE_CODE_FILES) <= files
     auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
     assert auto_map == {
         "AutoConfig": "configuration_attnres.AttnResConfig",

@@ -1,0 +1,172 @@
+"""The fused CPU kernel vs the float64 oracle and the torch reference, and when the model uses it."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import modeling_attnres.depth_attention_cpu as cpu
+from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
+from tests.helpers import tiny_model
+from tests.oracle import naive_mix
+
+EPS = 1e-6
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler to build the CPU kernel with")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    cpu.enable_cpu_kernel()          # builds on first use (~35 s), then torch's extension cache
+    yield
+    cpu.enable_cpu_kernel(False)
+
+
+def case(n_stored, tokens, d, dtype=torch.float64, seed=0):
+    """A bank of `n_stored` sources, a partial and a folded query; the oracle's sources list too."""
+    gen = torch.Generator().manual_seed(seed)
+    sources = torch.randn(n_stored + 1, *tokens, d, generator=gen, dtype=torch.float64) * 3
+    w, gain = torch.randn(d, generator=gen, dtype=torch.float64), 1 + 0.5 * torch.randn(d, generator=gen,
+                                                                                         dtype=torch.float64)
+    sources = sources.to(dtype)
+    bank = empty_bank(sources[-1])
+    for source in sources[:-1]:
+        bank = push_source(bank, source, EPS)
+    query = fold_queries(w[None].to(dtype), gain[None].to(dtype))[0]
+    return bank, sources[-1], query, (list(sources.double()), w, gain)
+
+
+# d = 300: not a multiple of the kernel's 256-wide chunk; 40 tokens: split across threads.
+@pytest.mark.parametrize("tokens,d", [((1,), 16), ((2, 3), 16), ((40,), 16), ((2, 1), 300)])
+@pytest.mark.parametrize("n_stored", [0, 1, 3, 4, 5, 8, 33])
+def test_fused_mix_matches_oracle_in_float64(n_stored, tokens, d):
+    bank, partial, query, oracle = case(n_stored, tokens, d, seed=n_stored)
+    with torch.no_grad():
+        out, weights = cpu.fused_mix_site(bank, partial, query, EPS, torch.float64, keep_weights=True)
+    expected, probs = naive_mix(*oracle, EPS)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weights, probs.movedim(0, -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,out_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                 (torch.bfloat16, torch.bfloat16, 2e-2),
+                                                 (torch.float16, torch.float16, 5e-3)])
+def test_fused_mix_matches_the_torch_reference(dtype, out_dtype, tol):
+    bank, partial, query, oracle = case(8, (3, 5), 64, dtype=dtype, seed=1)
+    with torch.no_grad():
+        out, weights = cpu.fused_mix_site(bank, partial, query, EPS, out_dtype, keep_weights=True)
+        ref, ref_weights = mix_site(bank, partial, query, EPS, out_dtype, keep_weights=True)
+    assert out.dtype == ref.dtype == out_dtype and weights.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    sources, _, _ = oracle                            # the oracle on the same low-precision inputs and query
+    expected, _ = naive_mix(sources, query.double(), torch.ones_like(query, dtype=torch.float64), EPS)
+    torch.testing.assert_close(out, expected.to(out_dtype), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gain_folded_in_cpp_equals_fold_queries(dtype):
+    bank, partial, _, _ = case(5, (2, 3), 48, dtype=torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    w, gain = torch.randn(1, 48, generator=gen).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    with torch.no_grad():
+        folded, _ = cpu.fused_mix_site(bank, partial, fold_queries(w, gain[None])[0], EPS, dtype)
+        unfolded, _ = cpu.fused_mix_site(bank, partial, w, EPS, dtype, gain=gain)
+    assert torch.equal(folded, unfolded)
+
+
+def test_mismatched_shapes_are_refused():
+    bank, partial, query, _ = case(3, (2,), 16, dtype=torch.float32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not match partial"):
+        cpu.fused_mix_site(bank, partial[..., :8], query[:8], EPS, torch.float32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not match partial"):
+        cpu.fused_mix_site(bank, partial, query, EPS, torch.float32, gain=torch.ones(1))
+
+
+def test_non_contiguous_partial_and_large_scores():
+    bank, partial, query, oracle = case(4, (6, 2), 32, dtype=torch.float32, seed=2)
+    strided = partial.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    with torch.no_grad():
+        out, _ = cpu.fused_mix_site(bank, strided, query * 1e4, EPS, torch.float32)
+        ref, _ = mix_site(bank, partial, query * 1e4, EPS, torch.float32)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_applies_only_to_cpu_inference_outside_torch_compile():
+    x = torch.zeros(2, 4)
+    assert torch.is_grad_enabled() and not cpu.cpu_kernel_applies(x)   # grad mode: the torch path
+    with torch.no_grad():
+        assert cpu.cpu_kernel_applies(x)
+    with torch.inference_mode():
+        assert cpu.cpu_kernel_applies(x)
+    with torch.enable_grad():
+        assert not cpu.cpu_kernel_applies(x)            # training keeps the differentiable torch path
+
+    @torch.compile(backend="eager", fullgraph=True)     # a graph break (the C++ call) would raise
+    def traced(t):
+        return t + 1 if cpu.cpu_kernel_applies(t) else t - 1
+
+    with torch.no_grad():
+        assert torch.equal(traced(x), x - 1)
+    cpu.enable_cpu_kernel(False)
+    try:
+        with torch.no_grad():
+            assert not cpu.cpu_kernel_applies(x)
+    finally:
+        cpu.enable_cpu_kernel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_model_with_the_kernel_matches_the_torch_path(mode, dtype):
+    model = tiny_model(seed=3, dtype=dtype, attn_res_mode=mode)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fused = model(ids, output_depth_attentions=True)
+        fused_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        cpu.enable_cpu_kernel(False)
+        try:
+            ref = model(ids, output_depth_attentions=True)
+            ref_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        finally:
+            cpu.enable_cpu_kernel()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused.logits.float(), ref.logits.float(), rtol=tol, atol=tol)
+    for a, b in zip(fused.depth_attentions, ref.depth_attentions, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    if dtype == torch.float32:
+        assert torch.equal(fused_tokens, ref_tokens)
+
+
+def test_training_forward_keeps_the_torch_path_and_its_gradients():
+    model = tiny_model(seed=4).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "res_proj" in n]
+    assert grads and all(g is not None for g in grads)
+
+
+def test_environment_variable_enables_it_at_import():
+    code = ("import torch, modeling_attnres.depth_attention_cpu as cpu\n"
+            "with torch.no_grad(): print(cpu.cpu_kernel_applies(torch.zeros(1)))")
+    env = {**os.environ, "ATTNRES_CPU_KERNEL": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def test_a_failed_build_says_what_is_missing(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    with pytest.raises(RuntimeError, match=r"C\+\+ compiler .* `ninja` .*ATTNRES_CPU_KERNEL"):
+        cpu.enable_cpu_kernel()
