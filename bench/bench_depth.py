@@ -11,8 +11,10 @@ for the sites of `--num-hidden-layers` layers plus the output site:
   and mix the new bank for all the sites that will read it at once (one matmul each, phase 1); each
   site then merges its running partial with an exact online-softmax step (phase 2). It reads the
   bank twice per block instead of twice per site. It is checked against `mix_site` before timing.
-Modes: `eager`; `compiled`, the whole pass as one graph (like transformers' `torch.compile(fullgraph=
-True)`); `piecewise`, each stretch between two attention ops compiled as its own graph (like vLLM).
+Modes: `eager`; `cpu-kernel`, eager with the fused C++ site kernel for `per-site` (what
+`enable_cpu_kernel()` gives the transformers model); `compiled`, the whole pass as one graph (like
+transformers' `torch.compile(fullgraph=True)`); `piecewise`, each stretch between two attention ops
+compiled as its own graph (like vLLM).
 All three paths run in one process, alternating, several repeats; the table gives median milliseconds
 per forward and what AttnRes adds over the residual stream. Unlike the whole-model benchmarks this
 isolates the part that differs, so it is far less noisy on a shared machine.
@@ -38,6 +40,7 @@ from modeling_attnres.depth_attention import (  # noqa: E402
     mix_site,
     push_block,
 )
+from modeling_attnres.depth_attention_cpu import cpu_kernel_applies, enable_cpu_kernel, fused_mix_site  # noqa: E402
 
 EPS = 1e-6
 
@@ -85,9 +88,11 @@ def llama_step(state: tuple, site: int, outputs: torch.Tensor, queries: torch.Te
 
 
 def per_site_step(state: tuple, site: int, outputs: torch.Tensor, queries: torch.Tensor, spb: int):
-    """AttnRes as both models run it: one `mix_site` pass over the bank per site."""
+    """AttnRes as both models run it: one `mix_site` pass over the bank per site (the fused CPU kernel
+    where it is enabled and applies, as in the transformers model)."""
     bank, partial = state
-    read = mix_site(bank, partial, queries[site], EPS, outputs.dtype)[0]
+    site_mix = fused_mix_site if cpu_kernel_applies(partial) else mix_site
+    read = site_mix(bank, partial, queries[site], EPS, outputs.dtype)[0]
     if site == len(outputs):
         return state, read
     bank, partial = push_block(bank, partial, site % spb == 0, EPS)
@@ -151,6 +156,7 @@ def run(tokens: int, mode: str, args) -> dict[str, float]:
     spb = 1 if args.mode == "full" else 2 * args.block_size
     # Pieces between attention ops: [site 0], [MLP l, attention l + 1], ..., [last MLP, output site].
     pieces = [(0,)] + [(j, j + 1) for j in range(1, sites, 2)]
+    enable_cpu_kernel(mode == "cpu-kernel")
     torch._dynamo.reset()                                      # each piece is its own graph: 3 x pieces
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(pieces))
     paths = {}
@@ -160,7 +166,7 @@ def run(tokens: int, mode: str, args) -> dict[str, float]:
             paths[name] = lambda step=step, name=name, whole=whole: whole(
                 step, run_piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
         else:
-            piece = run_piece if mode == "eager" else torch.compile(run_piece, dynamic=False, fullgraph=True)
+            piece = run_piece if mode in ("eager", "cpu-kernel") else torch.compile(run_piece, dynamic=False, fullgraph=True)
             paths[name] = lambda step=step, name=name, piece=piece: forward(
                 step, piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
     with torch.inference_mode():
@@ -180,8 +186,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)                   # only hidden size, layers, block size and mode matter here
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
-    parser.add_argument("--modes", nargs="+", choices=("eager", "compiled", "piecewise"),
-                        default=["eager", "compiled", "piecewise"])
+    parser.add_argument("--modes", nargs="+", choices=("eager", "cpu-kernel", "compiled", "piecewise"),
+                        default=["eager", "cpu-kernel", "compiled", "piecewise"])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--work", type=int, default=1 << 20, help="token x hidden elements per timed batch")

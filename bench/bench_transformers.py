@@ -9,8 +9,10 @@ the same moment: on a shared CPU the drift between whole runs is larger than the
 Each repeat gives a paired AttnRes/Llama ratio; the table reports medians. Peak memory is the peak
 RSS of a fresh process that builds the model and runs the prefill.
 
-`--modes eager compiled` adds the transformers recipe for fast decoding (a `StaticCache` and
-`torch.compile(model.forward, fullgraph=True)`) for both models; compiling takes minutes on a CPU.
+`--modes eager cpu-kernel compiled` adds eager decoding with AttnRes's fused C++ site kernel
+(`modeling_attnres.enable_cpu_kernel()`; Llama runs as in `eager`) and the transformers recipe for
+fast decoding (a `StaticCache` and `torch.compile(model.forward, fullgraph=True)`) for both models;
+compiling takes minutes on a CPU.
 """
 
 import argparse
@@ -27,6 +29,8 @@ from transformers import DynamicCache, StaticCache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_size_arguments, alternate, build, markdown_table, synchronize  # noqa: E402
+
+from modeling_attnres import enable_cpu_kernel  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -94,6 +98,7 @@ def time_workloads(args, dtype_name: str, mode: str) -> list[list]:
     dtype = DTYPES[dtype_name]
     models = {kind: build(kind, args, dtype, device=args.device) for kind in ("attnres", "llama")}
     compiled = mode == "compiled"
+    enable_cpu_kernel(mode == "cpu-kernel")                                   # only AttnRes calls it
     forwards = {k: torch.compile(m.forward, fullgraph=True, dynamic=False) if compiled else m
                 for k, m in models.items()}
     gen = torch.Generator().manual_seed(0)
@@ -172,8 +177,9 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "compiled"),
-                        help="eager, and/or StaticCache + torch.compile(fullgraph=True) for both models")
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "cpu-kernel", "compiled"),
+                        help="eager; eager with AttnRes's fused CPU site kernel; and/or StaticCache + "
+                             "torch.compile(fullgraph=True) for both models")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -27,12 +27,13 @@ def ratios(text: str) -> list[float]:
 
 def test_bench_transformers_reports_prefill_decode_and_memory_ratios():
     out = run("bench_transformers.py", "--repeats", "1", "--prefill-tokens", "16", "--prompt-tokens", "4",
-              "--new-tokens", "3", "--decode-batches", "1", "2", "--dtypes", "float32", "bfloat16")
+              "--new-tokens", "3", "--decode-batches", "1", "2", "--dtypes", "float32", "bfloat16",
+              "--modes", "eager", "cpu-kernel")
     rows = [line for line in out.splitlines() if line.startswith("| ")]
-    workloads = [r for r in rows if "| eager |" in r]
-    assert len(workloads) == 6, out                         # (prefill, decode b1, decode b2) x 2 dtypes
+    for mode in ("eager", "cpu-kernel"):                    # (prefill, decode b1, decode b2) x 2 dtypes
+        assert len([r for r in rows if f"| {mode} |" in r]) == 6, out
     assert sum("peak RSS" in r for r in rows) == 2, out
-    assert len(ratios(out)) == 8 and all(r > 0 for r in ratios(out)), out
+    assert len(ratios(out)) == 14 and all(r > 0 for r in ratios(out)), out
 
 
 def test_bench_vllm_pairs_both_engines_in_one_process():
@@ -45,8 +46,8 @@ def test_bench_vllm_pairs_both_engines_in_one_process():
 
 def test_bench_depth_checks_two_phase_against_mix_site_and_reports_both():
     """The two-phase alternative is compared with `mix_site` inside the script before it is timed."""
-    out = run("bench_depth.py", "--num-hidden-layers", "2", "--tokens", "1", "5", "--modes", "eager", "piecewise",
-              "--repeats", "1", "--work", "1024")
-    rows = [line for line in out.splitlines() if line.startswith("| eager") or line.startswith("| piecewise")]
-    assert len(rows) == 4, out
-    assert len(ratios(out)) == 4 and all(r > 0 for r in ratios(out)), out
+    out = run("bench_depth.py", "--num-hidden-layers", "2", "--tokens", "1", "5", "--modes", "eager", "cpu-kernel",
+              "piecewise", "--repeats", "1", "--work", "1024")
+    rows = [line for line in out.splitlines() if line.startswith(("| eager", "| cpu-kernel", "| piecewise"))]
+    assert len(rows) == 6, out
+    assert len(ratios(out)) == 6 and all(r > 0 for r in ratios(out)), out
