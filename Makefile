@@ -41,8 +41,8 @@ plot: install
 BENCH_SIZE ?= --hidden-size 512 --num-hidden-layers 8 --num-attention-heads 8 --num-key-value-heads 2 --intermediate-size 1408
 
 bench: install
-	$(PY) bench/bench_transformers.py $(BENCH_SIZE) --repeats 3
-	$(PY) bench/bench_depth.py $(BENCH_SIZE) --tokens 1 64 512 --modes eager piecewise --repeats 3
+	$(PY) bench/bench_transformers.py $(BENCH_SIZE) --modes eager cpu-kernel --repeats 3
+	$(PY) bench/bench_depth.py $(BENCH_SIZE) --tokens 1 64 512 --modes eager cpu-kernel piecewise --repeats 3
 	$(PY) bench/bench_vllm.py $(BENCH_SIZE) --prompts 32 --new-tokens 64 --repeats 2
 	$(PY) bench/bench_server.py --concurrency 1 8 32 --requests-per-client 2
 

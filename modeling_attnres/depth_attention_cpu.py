@@ -14,6 +14,7 @@ extensions directory). It stays off unless asked for: `enable_cpu_kernel()`, or 
 variable `ATTNRES_CPU_KERNEL=1` (built at the first forward that uses it).
 """
 
+import hashlib
 import os
 import platform
 from typing import Optional
@@ -121,9 +122,20 @@ std::vector<at::Tensor> mix_site(const at::Tensor& sources, const at::Tensor& in
 }
 """
 
-_NAME = "attnres_depth_attention_cpu"
 _module = None
 _enabled = os.environ.get("ATTNRES_CPU_KERNEL", "0").lower() in ("1", "true", "yes")
+
+
+def _extension_name() -> str:
+    """The build is for this CPU (`-march=native`): its name carries a digest of the CPU's feature
+    flags, so that a home directory shared by different machines never loads a foreign binary."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    digest = hashlib.sha1(f"{platform.machine()} {platform.processor()} {flags}".encode()).hexdigest()[:10]
+    return f"attnres_depth_attention_cpu_{digest}"
 
 
 def _build():
@@ -136,7 +148,7 @@ def _build():
         if platform.machine().lower() in ("x86_64", "amd64"):
             flags.append("-mprefer-vector-width=512")  # full AVX-512 width where there is one
         try:
-            _module = load_inline(_NAME, cpp_sources=_SOURCE, functions=["mix_site"], extra_cflags=flags)
+            _module = load_inline(_extension_name(), cpp_sources=_SOURCE, functions=["mix_site"], extra_cflags=flags)
         except Exception as error:  # compiler missing, ninja missing, headers missing, ...
             raise RuntimeError(
                 f"Could not build the AttnRes CPU kernel ({type(error).__name__}: {error}). It needs a C++ "
