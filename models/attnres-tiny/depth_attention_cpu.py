@@ -79,8 +79,21 @@ static void mix_token(const acc_t* S, const acc_t* inv, const acc_t* p, const ac
   }
 }
 
+// `x` as `acc_t` numbers (any floating dtype in; a loop, not tensor ops: this runs per site and token
+// step, where each dispatched op would cost as much as the whole mix).
+template <typename acc_t>
+static void read_as(const at::Tensor& x, acc_t* out, bool multiply) {
+  auto xc = x.contiguous();
+  const int64_t d = xc.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "read_as", [&] {
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < d; ++j) out[j] = multiply ? out[j] * static_cast<acc_t>(src[j]) : static_cast<acc_t>(src[j]);
+  });
+}
+
 // `query` is the folded query, or the raw pseudo-query when the key-norm `gain` is given (folded
-// here: in eager Python the fold costs more than the rest of the site).
+// here as `fold_queries` does, both factors in the accumulation dtype: in eager Python the fold
+// costs more than the rest of the site).
 std::vector<at::Tensor> mix_site(const at::Tensor& sources, const at::Tensor& inv_rms,
                                  const at::Tensor& partial, const at::Tensor& query,
                                  const c10::optional<at::Tensor>& gain, double eps, at::ScalarType dtype,
@@ -93,19 +106,17 @@ std::vector<at::Tensor> mix_site(const at::Tensor& sources, const at::Tensor& in
               (!gain.has_value() || gain->numel() == d),
               "mix_site: bank ", sources.sizes(), " / ", inv_rms.sizes(), " does not match partial ",
               partial.sizes(), " and query ", query.sizes());
-  // The fold is `fold_queries`: both factors in the accumulation dtype, multiplied there.
-  auto q = query.reshape({-1}).to(partial.scalar_type());
-  if (gain.has_value()) q = q * gain->reshape({-1}).to(partial.scalar_type());
   auto S = sources.contiguous(), inv = inv_rms.contiguous(), p = partial.contiguous();
-  q = q.contiguous();
   auto out = at::empty(partial.sizes(), partial.options().dtype(dtype));
   auto weight_sizes = partial.sizes().vec();
   weight_sizes.back() = n + 1;
   at::Tensor weights = keep_weights ? at::empty(weight_sizes, partial.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "mix_site_acc", [&] {
     using acc_t = scalar_t;
-    const acc_t *S_ = S.data_ptr<acc_t>(), *inv_ = inv.data_ptr<acc_t>(), *p_ = p.data_ptr<acc_t>(),
-                *q_ = q.data_ptr<acc_t>();
+    std::vector<acc_t> q(d);
+    read_as<acc_t>(query, q.data(), false);
+    if (gain.has_value()) read_as<acc_t>(*gain, q.data(), true);
+    const acc_t *S_ = S.data_ptr<acc_t>(), *inv_ = inv.data_ptr<acc_t>(), *p_ = p.data_ptr<acc_t>(), *q_ = q.data();
     acc_t* w_out = keep_weights ? weights.data_ptr<acc_t>() : nullptr;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "mix_site_out", [&] {
       scalar_t* o_ = out.data_ptr<scalar_t>();
