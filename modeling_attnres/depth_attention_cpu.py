@@ -87,7 +87,9 @@ static void read_as(const at::Tensor& x, acc_t* out, bool multiply) {
   const int64_t d = xc.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "read_as", [&] {
     const scalar_t* src = xc.data_ptr<scalar_t>();
-    for (int64_t j = 0; j < d; ++j) out[j] = multiply ? out[j] * static_cast<acc_t>(src[j]) : static_cast<acc_t>(src[j]);
+    for (int64_t j = 0; j < d; ++j) {
+      out[j] = multiply ? out[j] * static_cast<acc_t>(src[j]) : static_cast<acc_t>(src[j]);
+    }
   });
 }
 
@@ -99,7 +101,9 @@ std::vector<at::Tensor> mix_site(const at::Tensor& sources, const at::Tensor& in
                                  const c10::optional<at::Tensor>& gain, double eps, at::ScalarType dtype,
                                  bool keep_weights) {
   const int64_t d = partial.size(-1), n = sources.size(-2), N = partial.numel() / std::max<int64_t>(d, 1);
-  TORCH_CHECK(partial.device().is_cpu() && sources.device().is_cpu(), "mix_site: CPU tensors expected");
+  TORCH_CHECK(partial.device().is_cpu() && sources.device().is_cpu() && inv_rms.device().is_cpu() &&
+              query.device().is_cpu() && (!gain.has_value() || gain->device().is_cpu()),
+              "mix_site: CPU tensors expected");
   TORCH_CHECK(sources.scalar_type() == partial.scalar_type() && inv_rms.scalar_type() == partial.scalar_type(),
               "mix_site: bank and partial dtypes differ");
   TORCH_CHECK(sources.numel() == N * n * d && inv_rms.numel() == N * n && query.numel() == d &&
