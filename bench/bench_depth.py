@@ -41,6 +41,7 @@ from modeling_attnres.depth_attention import (  # noqa: E402
     push_block,
 )
 from modeling_attnres.depth_attention_cpu import cpu_kernel_applies, enable_cpu_kernel, fused_mix_site  # noqa: E402
+from modeling_attnres.modeling_attnres import push  # noqa: E402
 
 EPS = 1e-6
 
@@ -88,14 +89,14 @@ def llama_step(state: tuple, site: int, outputs: torch.Tensor, queries: torch.Te
 
 
 def per_site_step(state: tuple, site: int, outputs: torch.Tensor, queries: torch.Tensor, spb: int):
-    """AttnRes as both models run it: one `mix_site` pass over the bank per site (the fused CPU kernel
-    where it is enabled and applies, as in the transformers model)."""
+    """AttnRes as both models run it: one `mix_site` pass over the bank per site (the fused CPU kernel,
+    for the mix and the push, where it is enabled and applies, as in the transformers model)."""
     bank, partial = state
     site_mix = fused_mix_site if cpu_kernel_applies(partial) else mix_site
     read = site_mix(bank, partial, queries[site], EPS, outputs.dtype)[0]
     if site == len(outputs):
         return state, read
-    bank, partial = push_block(bank, partial, site % spb == 0, EPS)
+    bank, partial = push(bank, partial, site % spb == 0, EPS)
     return (bank, add_to_partial(partial, outputs[site])), read
 
 

@@ -3,7 +3,8 @@
 In eager PyTorch a depth-attention site is about twenty small tensor operations. At one decoded
 token each costs a few microseconds of dispatch whatever its size, about 0.1 ms a site and 33 sites
 a token at 16 layers: several percent of a decoding step that Llama does not pay. This kernel does
-a site in one call (scores, softmax and the weighted sum in one pass over each token's bank row).
+a site in one call (scores, softmax and the weighted sum in one pass over each token's bank row),
+and stores a completed block (`push_source`) in another.
 
 It is a sibling backend of the torch function, not a second definition: `depth_attention.mix_site`
 stays the reference (the tests hold this kernel to it and to the float64 oracle) and the only path
@@ -135,6 +136,48 @@ std::vector<at::Tensor> mix_site(const at::Tensor& sources, const at::Tensor& in
   });
   return {out, weights};
 }
+
+// One token of `push_source`: its n stored rows and the partial copied into the new row, inverse RMS.
+template <typename scalar_t>
+static void push_token(const scalar_t* S, const scalar_t* inv, const scalar_t* p, int64_t n, int64_t d,
+                       scalar_t eps, scalar_t* S_out, scalar_t* inv_out) {
+  std::copy(S, S + n * d, S_out);
+  std::copy(p, p + d, S_out + n * d);
+  std::copy(inv, inv + n, inv_out);
+  scalar_t ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < d; ++j) ss += p[j] * p[j];
+  inv_out[n] = 1 / std::sqrt(ss / d + eps);
+}
+
+// `depth_attention.push_source`: the bank with the partial appended as a stored source (n -> n + 1)
+// and its inverse RMS, written into new tensors in one pass instead of two `cat`s and a norm.
+std::vector<at::Tensor> push_source(const at::Tensor& sources, const at::Tensor& inv_rms,
+                                    const at::Tensor& partial, double eps) {
+  const int64_t d = partial.size(-1), n = sources.size(-2), N = partial.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(partial.device().is_cpu() && sources.device().is_cpu() && inv_rms.device().is_cpu(),
+              "push_source: CPU tensors expected");
+  TORCH_CHECK(sources.scalar_type() == partial.scalar_type() && inv_rms.scalar_type() == partial.scalar_type(),
+              "push_source: bank and partial dtypes differ");
+  TORCH_CHECK(sources.numel() == N * n * d && inv_rms.numel() == N * n, "push_source: bank ", sources.sizes(),
+              " / ", inv_rms.sizes(), " does not match partial ", partial.sizes());
+  auto S = sources.contiguous(), inv = inv_rms.contiguous(), p = partial.contiguous();
+  auto bank_sizes = sources.sizes().vec(), inv_sizes = inv_rms.sizes().vec();
+  bank_sizes[bank_sizes.size() - 2] = n + 1;
+  inv_sizes.back() = n + 1;
+  auto new_sources = at::empty(bank_sizes, p.options()), new_inv = at::empty(inv_sizes, p.options());
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "push_source", [&] {
+    const scalar_t *S_ = S.data_ptr<scalar_t>(), *inv_ = inv.data_ptr<scalar_t>(), *p_ = p.data_ptr<scalar_t>();
+    scalar_t *S2 = new_sources.data_ptr<scalar_t>(), *inv2 = new_inv.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        push_token<scalar_t>(S_ + t * n * d, inv_ + t * n, p_ + t * d, n, d, static_cast<scalar_t>(eps),
+                             S2 + t * (n + 1) * d, inv2 + t * (n + 1));
+      }
+    });
+  });
+  return {new_sources, new_inv};
+}
 """
 
 _module = None
@@ -159,11 +202,19 @@ def _build():
     if _module is None:
         from torch.utils.cpp_extension import load_inline
 
-        flags = ["-O3", "-fopenmp-simd", "-march=native"]
+        flags, ldflags = ["-O3", "-march=native"], []
+        if platform.system() == "Linux":
+            # OpenMP makes at::parallel_for split tokens across torch's threads; the library it links
+            # (libgomp.so.1) resolves to the copy torch already loaded. Apple clang has no -fopenmp.
+            flags.append("-fopenmp")
+            ldflags.append("-fopenmp")
+        else:
+            flags.append("-fopenmp-simd")
         if platform.machine().lower() in ("x86_64", "amd64"):
             flags.append("-mprefer-vector-width=512")  # full AVX-512 width where there is one
         try:
-            _module = load_inline(_extension_name(), cpp_sources=_SOURCE, functions=["mix_site"], extra_cflags=flags)
+            _module = load_inline(_extension_name(), cpp_sources=_SOURCE, functions=["mix_site", "push_source"],
+                                  extra_cflags=flags, extra_ldflags=ldflags)
         except Exception as error:  # compiler missing, ninja missing, headers missing, ...
             raise RuntimeError(
                 f"Could not build the AttnRes CPU kernel ({type(error).__name__}: {error}). It needs a C++ "
@@ -187,6 +238,11 @@ def cpu_kernel_applies(partial: Tensor) -> bool:
     CPU, no gradient is being recorded and torch.compile is not tracing."""
     return (_enabled and partial.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
+
+
+def fused_push_source(bank: DepthBank, partial: Tensor, eps: float) -> DepthBank:
+    """`depth_attention.push_source` in one C++ call. Forward only: call it where `cpu_kernel_applies`."""
+    return DepthBank(*_build().push_source(bank.sources, bank.inv_rms, acc(partial), eps))
 
 
 def fused_mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype: torch.dtype,

@@ -38,7 +38,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
 from .depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_block
-from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site
+from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site, fused_push_source
 
 
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py", "modeling_attnres.py")
@@ -96,6 +96,13 @@ def mix(stored: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnRes
     return mix_site(stored, partial, query, norm.variance_epsilon, proj.weight.dtype, keep_weights)
 
 
+def push(stored: DepthBank, partial: torch.Tensor, closes_block: bool, eps: float):
+    """`push_block`, by the fused CPU kernel where it is enabled and applies."""
+    if closes_block and cpu_kernel_applies(partial):
+        return fused_push_source(stored, partial, eps), None
+    return push_block(stored, partial, closes_block, eps)
+
+
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """A Llama decoder layer whose two sublayers read depth-attention mixes instead of the residual sum."""
 
@@ -132,7 +139,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """Returns the new `(stored, partial)` and, when asked, the weights of both sites."""
         h, attn_site_weights = mix(stored, partial, self.self_attention_res_proj, self.self_attention_res_norm,
                                    output_depth_attentions)
-        stored, partial = push_block(stored, partial, self.attn_closes_block, self.eps)
+        stored, partial = push(stored, partial, self.attn_closes_block, self.eps)
         h, _ = self.self_attn(
             hidden_states=self.input_layernorm(h),
             attention_mask=attention_mask,
@@ -145,7 +152,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         partial = add_to_partial(partial, h)
 
         h, mlp_site_weights = mix(stored, partial, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
-        stored, partial = push_block(stored, partial, self.mlp_closes_block, self.eps)
+        stored, partial = push(stored, partial, self.mlp_closes_block, self.eps)
         partial = add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
         return stored, partial, attn_site_weights, mlp_site_weights
 

@@ -68,6 +68,20 @@ def test_fused_mix_matches_the_torch_reference(dtype, out_dtype, tol):
     torch.testing.assert_close(out, expected.to(out_dtype), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("tokens", [(1,), (2, 3), (40,)])
+@pytest.mark.parametrize("n_stored", [0, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_push_source_matches_push_source(dtype, n_stored, tokens):
+    bank, partial, _, _ = case(n_stored, tokens, 48, dtype=dtype, seed=n_stored)
+    with torch.no_grad():
+        fused = cpu.fused_push_source(bank, partial, EPS)
+        ref = push_source(bank, partial, EPS)
+    assert fused.sources.dtype == ref.sources.dtype and fused.sources.shape == ref.sources.shape
+    assert torch.equal(fused.sources, ref.sources)                      # a copy: exact
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(fused.inv_rms, ref.inv_rms, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gain_folded_in_cpp_equals_fold_queries(dtype):
     bank, partial, _, _ = case(5, (2, 3), 48, dtype=torch.float32, seed=5)
