@@ -167,7 +167,8 @@ def run(tokens: int, mode: str, args) -> dict[str, float]:
             paths[name] = lambda step=step, name=name, whole=whole: whole(
                 step, run_piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
         else:
-            piece = run_piece if mode in ("eager", "cpu-kernel") else torch.compile(run_piece, dynamic=False, fullgraph=True)
+            eager = mode in ("eager", "cpu-kernel")
+            piece = run_piece if eager else torch.compile(run_piece, dynamic=False, fullgraph=True)
             paths[name] = lambda step=step, name=name, piece=piece: forward(
                 step, piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
     with torch.inference_mode():
