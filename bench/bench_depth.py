@@ -41,7 +41,7 @@ from modeling_attnres.depth_attention import (  # noqa: E402
     push_block,
 )
 from modeling_attnres.depth_attention_cpu import cpu_kernel_applies, enable_cpu_kernel, fused_mix_site  # noqa: E402
-from modeling_attnres.modeling_attnres import push  # noqa: E402
+from modeling_attnres.depth_attention_ops import site_push as push  # noqa: E402
 
 EPS = 1e-6
 

@@ -177,15 +177,7 @@ def standard_fills(config: PretrainedConfig) -> tuple[Fill, ...]:
 def sources_per_site(config: AttnResConfig) -> list[int]:
     """Number of sources `c` each site mixes, in site order (attention and MLP of every layer, then
     the output site). With zero queries site j reads `H / c_j`, the eps change the spec describes."""
-    if config.attn_res_mode == "full":
-        return list(range(1, 2 * config.num_hidden_layers + 2))
-    counts, stored = [], 0
-    for layer in range(config.num_hidden_layers):
-        counts.append(stored + 1)               # stored blocks + the running partial
-        if layer % config.attn_res_block_size == 0:
-            stored += 1                         # the partial became a stored block; a new one starts
-        counts.append(stored + 1)
-    return counts + [stored + 1]
+    return [site.num_stored + 1 for site in config.depth_sites]     # stored sources + the partial
 
 
 def stream_scale_candidates(config: AttnResConfig) -> list[float]:

@@ -39,14 +39,8 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.sequence import IntermediateTensors
 
 from modeling_attnres.configuration_attnres import AttnResConfig
-from modeling_attnres.depth_attention import (
-    DepthBank,
-    add_to_partial,
-    empty_bank,
-    fold_queries,
-    mix_site,
-    push_block,
-)
+from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank
+from modeling_attnres.depth_attention_ops import site_mix, site_push
 
 # HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
 # `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the regexes accept the seed
@@ -94,8 +88,7 @@ class AttnResPseudoQuery(nn.Module):
 
 def mix(bank: DepthBank, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
     """Mix one site over the stored sources of the bank and the partial `[tokens, d]`."""
-    query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
-    mixed, _ = mix_site(bank, partial, query, norm.variance_epsilon, proj.weight.dtype)
+    mixed, _ = site_mix(bank, partial, proj.weight, norm.weight, norm.variance_epsilon)
     return mixed
 
 
@@ -154,22 +147,20 @@ class AttnResDecoderLayer(nn.Module):
         self.self_attention_res_norm = RMSNorm(d, eps=eps)
         self.mlp_res_proj = AttnResPseudoQuery(d)
         self.mlp_res_norm = RMSNorm(d, eps=eps)
-        # Site j = 2 * layer_idx (+1 for the MLP) closes a block when j % sublayers_per_block == 0.
-        spb = config.sublayers_per_block
-        self.attn_closes_block = (2 * layer_idx) % spb == 0
-        self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
+        self.attn_closes_block = config.depth_sites[2 * layer_idx].closes_block
+        self.mlp_closes_block = config.depth_sites[2 * layer_idx + 1].closes_block
         self.eps = eps
 
     def forward(self, positions: torch.Tensor, bank: DepthBank,
                 partial: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
         """Mixes both sites; returns the bank (with any block closed here) and the new partial `[tokens, d]`."""
         h = mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm)
-        bank, partial = push_block(bank, partial, self.attn_closes_block, self.eps)
+        bank, partial = site_push(bank, partial, self.attn_closes_block, self.eps)
         h = self.self_attn(positions=positions, hidden_states=self.input_layernorm(h))
         partial = add_to_partial(partial, h)
 
         h = mix(bank, partial, self.mlp_res_proj, self.mlp_res_norm)
-        bank, partial = push_block(bank, partial, self.mlp_closes_block, self.eps)
+        bank, partial = site_push(bank, partial, self.mlp_closes_block, self.eps)
         return bank, add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
 
 

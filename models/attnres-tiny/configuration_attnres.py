@@ -6,10 +6,20 @@ types on construction and assignment, and runs every `validate_*` method on cons
 `from_pretrained` and on `save_pretrained`.
 """
 
+from typing import NamedTuple
+
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 ATTN_RES_MODES = ("block", "full")
+
+
+class DepthSite(NamedTuple):
+    """One depth-attention site of the schedule (see `AttnResConfig.depth_sites`)."""
+
+    index: int          # attention site of layer l: 2l, its MLP site: 2l + 1, the output site: 2L
+    num_stored: int     # stored sources the site reads; the running partial comes on top
+    closes_block: bool  # after mixing, the partial becomes a stored source and a new partial starts
 
 
 @strict
@@ -81,11 +91,22 @@ class AttnResConfig(LlamaConfig):
         return 1 if self.attn_res_mode == "full" else 2 * self.attn_res_block_size
 
     @property
+    def depth_sites(self) -> tuple[DepthSite, ...]:
+        """The block schedule, one entry per site in order (the role `layer_types` plays for other
+        models): `depth_sites[2 * l]` is layer l's attention site, `[2 * l + 1]` its MLP site and
+        `[-1]` the output site. Every model, converter and benchmark reads the schedule from here.
+
+        Site j reads `ceil(j / s)` stored sources with `s = sublayers_per_block`, and closes a block
+        when `j % s == 0`: site 0 stores the embedding as block 0, then every `s`-th sublayer output
+        sum becomes a block. The output site never closes one.
+        """
+        s, last = self.sublayers_per_block, 2 * self.num_hidden_layers
+        return tuple(DepthSite(j, -(-j // s), j < last and j % s == 0) for j in range(last + 1))
+
+    @property
     def num_depth_sources(self) -> int:
         """Sources the output site mixes: the embedding, the stored blocks and the partial."""
-        if self.attn_res_mode == "full":
-            return 2 * self.num_hidden_layers + 1
-        return -(-self.num_hidden_layers // self.attn_res_block_size) + 1
+        return self.depth_sites[-1].num_stored + 1
 
 
-__all__ = ["AttnResConfig"]
+__all__ = ["AttnResConfig", "DepthSite"]

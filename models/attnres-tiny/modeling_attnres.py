@@ -37,11 +37,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_block
-from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site, fused_push_source
+from .depth_attention import DepthBank, add_to_partial, empty_bank
+from .depth_attention_ops import site_mix, site_push
 
 
-REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py", "modeling_attnres.py")
+REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py",
+                     "depth_attention_ops.py", "modeling_attnres.py")
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_attnres.AttnResConfig",
     "AutoModel": "modeling_attnres.AttnResModel",
@@ -86,21 +87,9 @@ class AttnResPseudoQuery(nn.Linear):
         super().__init__(hidden_size, 1, bias=False)
 
 
-def mix(stored: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
-    """Mix one site from its own pseudo-query and key norm (folded into one query); by the fused CPU
-    kernel where it is enabled and applies (see `depth_attention_cpu`), else by the torch reference."""
-    if cpu_kernel_applies(partial):                                    # folds the query in C++
-        return fused_mix_site(stored, partial, proj.weight, norm.variance_epsilon, proj.weight.dtype,
-                              keep_weights, gain=norm.weight)
-    query = fold_queries(proj.weight, norm.weight[None])[0]            # [d]
-    return mix_site(stored, partial, query, norm.variance_epsilon, proj.weight.dtype, keep_weights)
-
-
-def push(stored: DepthBank, partial: torch.Tensor, closes_block: bool, eps: float):
-    """`push_block`, by the fused CPU kernel where it is enabled and applies."""
-    if closes_block and cpu_kernel_applies(partial):
-        return fused_push_source(stored, partial, eps), None
-    return push_block(stored, partial, closes_block, eps)
+def mix(bank: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
+    """Mix one site from its own pseudo-query and key norm (`depth_attention_ops.site_mix`)."""
+    return site_mix(bank, partial, proj.weight, norm.weight, norm.variance_epsilon, keep_weights)
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
@@ -118,15 +107,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.self_attention_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp_res_proj = AttnResPseudoQuery(config.hidden_size)
         self.mlp_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # Site j = 2 * layer_idx (+1 for the MLP) closes a block when j % sublayers_per_block == 0.
-        spb = config.sublayers_per_block
-        self.attn_closes_block = (2 * layer_idx) % spb == 0
-        self.mlp_closes_block = (2 * layer_idx + 1) % spb == 0
+        self.attn_closes_block = config.depth_sites[2 * layer_idx].closes_block
+        self.mlp_closes_block = config.depth_sites[2 * layer_idx + 1].closes_block
         self.eps = config.rms_norm_eps
 
     def forward(
         self,
-        stored: DepthBank,
+        bank: DepthBank,
         partial: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
@@ -136,10 +123,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         output_depth_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[DepthBank, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Returns the new `(stored, partial)` and, when asked, the weights of both sites."""
-        h, attn_site_weights = mix(stored, partial, self.self_attention_res_proj, self.self_attention_res_norm,
+        """Returns the new `(bank, partial)` and, when asked, the weights of both sites."""
+        h, attn_site_weights = mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm,
                                    output_depth_attentions)
-        stored, partial = push(stored, partial, self.attn_closes_block, self.eps)
+        bank, partial = site_push(bank, partial, self.attn_closes_block, self.eps)
         h, _ = self.self_attn(
             hidden_states=self.input_layernorm(h),
             attention_mask=attention_mask,
@@ -151,10 +138,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         )
         partial = add_to_partial(partial, h)
 
-        h, mlp_site_weights = mix(stored, partial, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
-        stored, partial = push(stored, partial, self.mlp_closes_block, self.eps)
+        h, mlp_site_weights = mix(bank, partial, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
+        bank, partial = site_push(bank, partial, self.mlp_closes_block, self.eps)
         partial = add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
-        return stored, partial, attn_site_weights, mlp_site_weights
+        return bank, partial, attn_site_weights, mlp_site_weights
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -276,13 +263,13 @@ class AttnResModel(AttnResPreTrainedModel):
                                     else self.config.output_hidden_states)
         output_depth_attentions = bool(output_depth_attentions)
 
-        stored = empty_bank(inputs_embeds)                             # [batch, seq, 0, d]
+        bank = empty_bank(inputs_embeds)                             # [batch, seq, 0, d]
         partial = add_to_partial(None, inputs_embeds)                  # the embedding: block 0
         all_hidden_states = [inputs_embeds] if output_hidden_states else None
         depth_attentions = [] if output_depth_attentions else None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            stored, partial, attn_site_weights, mlp_site_weights = decoder_layer(
-                stored,
+            bank, partial, attn_site_weights, mlp_site_weights = decoder_layer(
+                bank,
                 partial,
                 attention_mask=causal_mask,
                 position_ids=position_ids,
@@ -293,11 +280,11 @@ class AttnResModel(AttnResPreTrainedModel):
                 **kwargs,
             )
             if output_hidden_states:
-                all_hidden_states.append((stored.sources.sum(-2) + partial).to(inputs_embeds.dtype))
+                all_hidden_states.append((bank.sources.sum(-2) + partial).to(inputs_embeds.dtype))
             if output_depth_attentions:
                 depth_attentions += [attn_site_weights, mlp_site_weights]
 
-        out, output_site_weights = mix(stored, partial, self.output_attn_res_proj, self.output_attn_res_norm,
+        out, output_site_weights = mix(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm,
                                        output_depth_attentions)
         hidden_states = self.norm(out)
         if output_hidden_states:

@@ -1,0 +1,43 @@
+"""The depth-attention site as both models call it: fold the site's query, pick a backend, run it.
+
+The mathematics is `depth_attention.py` (torch only, the reference). Other backends are siblings
+with the same arguments, held to the same float64 oracle in the tests:
+
+- `depth_attention_cpu.py`: a fused C++ kernel for eager CPU inference (opt-in, see there).
+
+The transformers model and the vLLM model both call `site_mix` / `site_push` with their own
+modules' parameters, so which backend runs, and how the query is folded, is decided here once.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .depth_attention import DepthBank, fold_queries, mix_site, push_block
+from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site, fused_push_source
+
+
+def site_mix(bank: DepthBank, partial: Tensor, proj_weight: Tensor, norm_weight: Tensor, eps: float,
+             keep_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Mix one site from its pseudo-query `proj_weight [1, d]` and key-norm gain `norm_weight [d]`.
+
+    Returns the mix `[*tokens, d]` in the pseudo-query's dtype and, if `keep_weights`, the weights
+    `[*tokens, n + 1]` (see `depth_attention.mix_site`).
+    """
+    dtype = proj_weight.dtype
+    if cpu_kernel_applies(partial):                                    # folds the query in C++
+        return fused_mix_site(bank, partial, proj_weight, eps, dtype, keep_weights, gain=norm_weight)
+    query = fold_queries(proj_weight, norm_weight[None])[0]            # [d]
+    return mix_site(bank, partial, query, eps, dtype, keep_weights)
+
+
+def site_push(bank: DepthBank, partial: Tensor, closes_block: bool,
+              eps: float) -> tuple[DepthBank, Optional[Tensor]]:
+    """`depth_attention.push_block` by the backend that `site_mix` would use for this partial."""
+    if closes_block and cpu_kernel_applies(partial):
+        return fused_push_source(bank, partial, eps), None
+    return push_block(bank, partial, closes_block, eps)
+
+
+__all__ = ["site_mix", "site_push"]
