@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests
 
 serve: install

@@ -92,6 +92,34 @@ def mix(bank: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRM
     return site_mix(bank, partial, proj.weight, norm.weight, norm.variance_epsilon, keep_weights)
 
 
+def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config: AttnResConfig) -> str:
+    """The error for a checkpoint whose weights do not have the shapes its config implies."""
+    rows = "\n".join(f"  {key}: checkpoint {tuple(ckpt)}, config implies {tuple(model)}"
+                     for key, ckpt, model in sorted(mismatched))
+    return (
+        f"The checkpoint's weights do not match its config.json ({len(mismatched)} tensors):\n{rows}\n"
+        f"(config: hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
+        f"num_attention_heads={config.num_attention_heads}, num_key_value_heads={config.num_key_value_heads}, "
+        f"head_dim={config.head_dim}, vocab_size={config.vocab_size}). Fix config.json to describe these "
+        "weights, or pass ignore_mismatched_sizes=True to re-initialise the mismatched tensors."
+    )
+
+
+def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
+    """Refuse token ids outside `[0, vocab_size)` and inputs with no token, naming the value."""
+    if input_ids.shape[-1] == 0:
+        raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}); pass at least one token "
+                         "per sequence (for an empty prompt, start it with the tokenizer's BOS token).")
+    if torch.compiler.is_compiling():                                  # a value check would break the graph
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab_size}); "
+                         "encode the text with this model's tokenizer (or resize_token_embeddings after adding "
+                         "tokens).")
+
+
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """A Llama decoder layer whose two sublayers read depth-attention mixes instead of the residual sum."""
 
@@ -158,16 +186,22 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"attentions": [LlamaAttention, Qwen3Attention]}
 
     @classmethod
-    def from_pretrained(cls, *args, key_mapping: Optional[dict[str, str]] = None, **kwargs):
-        """`PreTrainedModel.from_pretrained`, also accepting the seed names of the attention site."""
-        loaded = super().from_pretrained(*args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
+    def from_pretrained(cls, *args, key_mapping: dict[str, str] | None = None, ignore_mismatched_sizes: bool = False,
+                        output_loading_info: bool = False, **kwargs):
+        """`PreTrainedModel.from_pretrained`, also accepting the seed names of the attention site, and
+        failing on a checkpoint whose tensor shapes disagree with its config with an error that names
+        every such tensor (transformers' own error only points at a logged report)."""
+        model, info = super().from_pretrained(
+            *args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, ignore_mismatched_sizes=True,
+            output_loading_info=True, **kwargs)
+        if info["mismatched_keys"] and not ignore_mismatched_sizes:
+            raise ValueError(describe_mismatched_shapes(info["mismatched_keys"], model.config))
         # transformers reverses load-time renamings on save; the aliases must not be reversed.
         aliases = [[pattern] for pattern in SEED_KEY_ALIASES]
         conversions = getattr(model, "_weight_conversions", None) or []
         model._weight_conversions = [c for c in conversions if list(getattr(c, "source_patterns", [])) not in aliases]
         model._weight_conversions = model._weight_conversions or None
-        return loaded
+        return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the modeling files and `config.auto_map`, so that the
@@ -243,7 +277,10 @@ class AttnResModel(AttnResPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
+            check_input_ids(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.shape[1] == 0:
+            raise ValueError(f"inputs_embeds has no tokens (shape {tuple(inputs_embeds.shape)}); pass at least one.")
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 from transformers import AutoConfig
 
 from modeling_attnres import AttnResConfig
@@ -39,41 +40,56 @@ def test_save_load_round_trip(tmp_path):
     ],
 )
 def test_invalid_values_raise_at_construction(overrides, fragment):
-    with pytest.raises(Exception) as err:      # huggingface_hub's StrictDataclassClassValidationError
+    with pytest.raises(StrictDataclassClassValidationError) as err:      # wraps our validate_* ValueError
         tiny_config(**overrides)
     assert fragment in str(err.value)
 
 
 def test_wrong_type_raises_at_construction():
-    with pytest.raises(Exception) as err:
+    with pytest.raises(StrictDataclassFieldValidationError) as err:
         tiny_config(attn_res_block_size="2")
     assert "attn_res_block_size" in str(err.value)
 
 
 @pytest.mark.parametrize(
-    "field, value, fragment",
+    "field, value, error, fragment",
     [
-        ("attn_res_block_size", "two", "attn_res_block_size"),
-        ("attn_res_mode", "sparse", "attn_res_mode must be one of"),
-        ("attn_res_block_size", 0, "must be >= 1"),
-        ("num_key_value_heads", 3, "multiple of num_key_value_heads (3)"),
+        ("attn_res_block_size", "two", StrictDataclassFieldValidationError, "attn_res_block_size"),   # a wrong type
+        ("attn_res_mode", "sparse", StrictDataclassClassValidationError, "attn_res_mode must be one of"),
+        ("attn_res_block_size", 0, StrictDataclassClassValidationError, "must be >= 1"),
+        ("num_key_value_heads", 3, StrictDataclassClassValidationError, "multiple of num_key_value_heads (3)"),
     ],
 )
-def test_invalid_config_json_raises_at_load(tmp_path, field, value, fragment):
+def test_invalid_config_json_raises_at_load(tmp_path, field, value, error, fragment):
     tiny_config().save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     data = json.loads(path.read_text())
     data[field] = value
     path.write_text(json.dumps(data))
-    with pytest.raises(Exception) as err:
+    with pytest.raises(error) as err:
         AutoConfig.from_pretrained(tmp_path)
     assert fragment in str(err.value)
 
 
 def test_invalid_assignment_is_caught_on_save(tmp_path):
     config = tiny_config()
-    with pytest.raises(Exception) as err:
+    with pytest.raises(StrictDataclassClassValidationError) as err:
         config.attn_res_mode = "diagonal"
         config.save_pretrained(tmp_path)
     assert "attn_res_mode" in str(err.value)
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("mode, k, layers", [("block", 2, 5), ("block", 1, 3), ("block", 3, 8), ("full", 2, 4)])
+def test_depth_sites_follow_the_spec_pseudo_code(mode, k, layers):
+    """The schedule on the config against the spec's loop, written out here independently."""
+    expected, stored = [], 0
+    for layer in range(layers):
+        for sublayer in range(2):
+            closes = (mode == "full") or (sublayer == 0 and layer % k == 0)
+            expected.append((stored, closes))
+            stored += closes
+    expected.append((stored, False))                                     # the output site
+    sites = tiny_config(num_hidden_layers=layers, attn_res_mode=mode, attn_res_block_size=k).depth_sites
+    assert [(site.num_stored, site.closes_block) for site in sites] == expected
+    assert [site.index for site in sites] == list(range(2 * layers + 1))
