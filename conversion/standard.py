@@ -2,7 +2,7 @@
 
 With every pseudo-query zero, each depth-attention site returns the ordinary residual stream divided
 by its number of sources `c`, and every reader of the stream is an RMSNorm, which ignores that scale
-except through eps (shared/attnres-spec.md, "Converting a standard pre-norm model"). So the weights
+except through eps (docs/spec.md, "Converting a standard pre-norm model"). So the weights
 carry over unchanged; what the converter adds is:
 
 - the depth parameters (pseudo-queries zero, key-norm gains one), filled in;

@@ -1,4 +1,4 @@
-"""A naive, independent implementation of `shared/attnres-spec.md`: the test oracle.
+"""A naive, independent implementation of `docs/spec.md`: the test oracle.
 
 Written straight from the spec's pseudo-code with plain tensors and a state dict, sharing no code
 with `modeling_attnres` (not even its depth-attention kernel). Runs full-sequence, no cache, with an

@@ -12,7 +12,7 @@ from tests.helpers import tiny_config, tiny_model
 
 
 def spec_parameter_names(num_layers, attention_bias=False, qk_norm=False, tied=False):
-    """The parameter-name contract of shared/attnres-spec.md, spelled out independently."""
+    """The parameter-name contract of docs/spec.md, spelled out independently."""
     names = ["model.embed_tokens.weight", "model.output_attn_res_proj.weight",
              "model.output_attn_res_norm.weight", "model.norm.weight"]
     for i in range(num_layers):
