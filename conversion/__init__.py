@@ -1,7 +1,8 @@
 """Checkpoint conversion to AttnRes (installed as `attnres.conversion`).
 
 `convert(src, dst, ConvertOptions(...))` is the API behind the `attnres-convert` command; the key maps
-live in `standard` (Llama, Qwen2, Qwen3, Mistral) and `seed` (other AttnRes layouts).
+live in `standard` (Llama, Qwen2, Qwen3, Mistral) and `seed` (other AttnRes layouts); Llama GGUF
+files are dequantised into a standard source first (`gguf_source`).
 """
 
 from .converter import ConversionResult, ConvertOptions, convert

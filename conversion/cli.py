@@ -4,6 +4,7 @@ Examples:
     attnres-convert meta-llama/Llama-3.2-1B out/llama-attnres
     attnres-convert ./qwen3-0.6b out/qwen3-attnres --block-size 4 --dtype bfloat16 --push-to-hub me/qwen3-attnres
     attnres-convert run/ckpt.pt out/seed --config run/config.json --seed-block-size 8
+    attnres-convert smollm2-135m-instruct-q4_1.gguf out/smollm2-attnres --dtype bfloat16
 """
 
 import argparse
@@ -20,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface; every option maps onto a `ConvertOptions` field."""
     p = argparse.ArgumentParser(prog="attnres-convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="local folder, Hub repo id (ORG/NAME) or a .pt/.bin state dict")
+    p.add_argument("src", help="local folder, Hub repo id (ORG/NAME), a .pt/.bin state dict or a Llama .gguf file "
+                   "(or a folder holding one)")
     p.add_argument("dst", type=Path, help="output folder (written to a temporary sibling, renamed at the end)")
     p.add_argument("--block-size", type=int, help="layers per block (default: ceil(layers / 8), about 8 blocks)")
     p.add_argument("--mode", choices=("block", "full"), default="block", help="Block or Full AttnRes")
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 def summary(result: ConversionResult) -> list[str]:
     """What the CLI prints after a conversion."""
     cfg = result.config
-    lines = [f"Converted {result.src} ({result.layout}) -> {result.dst}",
+    origin = f"; {result.origin}" if result.origin else ""
+    lines = [f"Converted {result.src} ({result.layout}{origin}) -> {result.dst}",
              f"  {cfg.num_hidden_layers} layers, attn_res_mode={cfg.attn_res_mode}, "
              f"attn_res_block_size={cfg.attn_res_block_size}, dtype={str(result.dtype).removeprefix('torch.')}, "
              f"stream scale={result.stream_scale:g}, rms_norm_eps={cfg.rms_norm_eps:g}"]

@@ -1,6 +1,7 @@
 """The Python API behind `attnres-convert`: plan a conversion, write it atomically, verify it.
 
-`convert(src, dst)` takes a local folder, a Hub repo id or a state-dict file and writes an
+`convert(src, dst)` takes a local folder, a Hub repo id, a state-dict file or a Llama GGUF file
+(dequantised first, see `gguf_source`) and writes an
 `AttnResForCausalLM` folder (safetensors, config with `auto_map`, the modeling files, the source's
 tokenizer / chat template / generation config, a model card). Everything is written to a hidden
 sibling of DST and renamed into place only after the converted model has loaded and been verified.
@@ -20,6 +21,7 @@ from modeling_attnres import AttnResConfig, AttnResForCausalLM
 from .checkpoint_io import (STATE_DICT_SUFFIXES, StateDictSource, check_destination, copy_side_files,
                             load_state_dict_file, open_checkpoint, publish, resolve_source, staging_dir)
 from .errors import ConversionError
+from .gguf_source import dequantised_folder, find_gguf
 from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, resolve_key_map, target_shapes
 from .model_card import write_model_card
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
@@ -81,6 +83,7 @@ class ConversionResult:
     scale_errors: dict[float, float] = field(default_factory=dict)
     copied_files: list[str] = field(default_factory=list)
     verification: Optional[VerifyReport] = None
+    origin: str | None = None        # how the source was read, when not as given (a dequantised GGUF)
 
     def calibration_summary(self) -> str:
         """`s=1: 1.4e-06, s=2: ...`: the predicted relative logit error of each candidate scale."""
@@ -181,15 +184,16 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
     """Read SRC's config and open its tensors; pick the key map for its layout."""
     if src_path.is_file():
         if src_path.suffix not in STATE_DICT_SUFFIXES:
-            raise ConversionError(f"SRC file {src_path} is not a state dict ({', '.join(STATE_DICT_SUFFIXES)}); "
-                                  "pass a checkpoint folder or a torch.save'd state dict.")
+            raise ConversionError(f"SRC file {src_path} is not a state dict ({', '.join(STATE_DICT_SUFFIXES)}) "
+                                  "or a .gguf file; pass a checkpoint folder, a torch.save'd state dict or a GGUF.")
         return _plan_state_dict_file(src_path, options)
     config_file = src_path / "config.json"
     if not config_file.exists():
         files = [p for p in src_path.iterdir() if p.suffix in STATE_DICT_SUFFIXES]
         if len(files) == 1:
             return _plan_state_dict_file(files[0], options)
-        raise ConversionError(f"{src_path} has no config.json: expected a transformers checkpoint folder.")
+        raise ConversionError(f"{src_path} has no config.json: expected a transformers checkpoint folder "
+                              "(or a folder holding one .gguf or one state-dict file).")
     raw = _read_json(config_file)
     if raw.get("model_type") == "attnres":
         return _plan_attnres_layout(open_checkpoint(src_path), raw, options, src_path)
@@ -214,15 +218,26 @@ def write_model(plan: Plan, out: Path, max_shard_size: str) -> None:
     model.save_pretrained(out, max_shard_size=max_shard_size)
 
 
-def convert(src: str | Path, dst: str | Path, options: Optional[ConvertOptions] = None) -> ConversionResult:
-    """Convert SRC (folder, Hub repo id or state-dict file) into an AttnRes checkpoint at DST."""
+def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = None) -> ConversionResult:
+    """Convert SRC (folder, Hub repo id, state-dict file or Llama GGUF file) into an AttnRes checkpoint at DST."""
     options = options or ConvertOptions()
     src_path = resolve_source(str(src), options.revision)
     dst = Path(dst).expanduser().resolve()
     check_destination(dst, src_path, options.overwrite)
-    plan = plan_conversion(src_path, options)
-    result = ConversionResult(str(src), dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
-                              plan.scale_errors)
+    gguf_file = find_gguf(src_path)
+    if gguf_file is None:
+        return _convert_planned(str(src), plan_conversion(src_path, options), dst, options)
+    _reject_options(options, ("seed_block_size", "config_path"), f"{gguf_file.name} is a GGUF file with its own "
+                    "config in its metadata, not a seed-layout state dict.")
+    with dequantised_folder(gguf_file, dst) as (folder, origin):
+        return _convert_planned(str(src), _plan_standard(folder, options), dst, options, origin)
+
+
+def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
+                     origin: str | None = None) -> ConversionResult:
+    """Write the planned model to a staging folder, verify it there and publish it at DST."""
+    result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
+                              plan.scale_errors, origin=origin)
     tmp = staging_dir(dst)
     try:
         write_model(plan, tmp, options.max_shard_size)
@@ -230,7 +245,8 @@ def convert(src: str | Path, dst: str | Path, options: Optional[ConvertOptions] 
             result.copied_files = copy_side_files(plan.folder, tmp)
         if options.verify:
             result.verification = (
-                verify_standard(plan.folder, tmp, plan.config, plan.ctx.stream_scale, plan.dtype)
+                verify_standard(plan.folder, tmp, plan.config, plan.ctx.stream_scale, plan.dtype,
+                                reference="the dequantised GGUF" if origin else None)
                 if plan.layout != "attnres" else verify_attnres_layout(plan, tmp))
         write_model_card(tmp, result)
         publish(tmp, dst)

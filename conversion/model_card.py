@@ -36,7 +36,8 @@ def _config_lines(result: "ConversionResult") -> list[str]:
     blocks = ("Full AttnRes (every sublayer is its own source)" if cfg.attn_res_mode == "full" else
               f"Block AttnRes, {cfg.attn_res_block_size} layer(s) per block "
               f"({cfg.num_depth_sources - 1} blocks over {cfg.num_hidden_layers} layers)")
-    lines = [f"- source: `{result.src}` ({result.layout})", f"- depth attention: {blocks}",
+    source = f"- source: `{result.src}` ({result.layout}" + (f"; {result.origin})" if result.origin else ")")
+    lines = [source, f"- depth attention: {blocks}",
              f"- dtype: {str(result.dtype).removeprefix('torch.')}", f"- rms_norm_eps: {cfg.rms_norm_eps:g}",
              f"- kept from the source: {', '.join(f'`{n}`' for n in result.copied_files) or 'nothing'}"]
     if result.layout != "attnres":

@@ -116,7 +116,7 @@ def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def verify_standard(src: Path, converted: Path, config: AttnResConfig, stream_scale: float,
-                    dtype: torch.dtype = torch.float32) -> VerifyReport:
+                    dtype: torch.dtype = torch.float32, reference: str | None = None) -> VerifyReport:
     """Run the source and the converted checkpoint (output dtype `dtype`) on the prompts and compare.
     The spec's prediction is made from the source weights rounded to `dtype`, so that it isolates
     the eps effect; the headline difference includes the rounding."""
@@ -137,7 +137,8 @@ def verify_standard(src: Path, converted: Path, config: AttnResConfig, stream_sc
     diff, rel, scale, agree = compare(ref_logits, got_logits)
     greedy = all(torch.equal(a, b) for a, b in zip(ref_tokens, got_tokens))
     vs_pred = compare(predicted, got_logits)[0]
-    return VerifyReport(diff, rel, scale, agree, greedy, vs_pred, f"source model ({src.name})", len(ids))
+    reference = reference or f"source model ({src.name})"
+    return VerifyReport(diff, rel, scale, agree, greedy, vs_pred, reference, len(ids))
 
 
 def calibrate_stream_scale(src: Path, config: AttnResConfig, candidates: list[float]) -> dict[float, float]:

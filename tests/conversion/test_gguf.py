@@ -1,0 +1,92 @@
+"""GGUF files as a conversion source: a tiny Llama written with the `gguf` package's writer (F32, Q8_0 and
+Q4_1, the type SmolLM2's GGUF uses) converts and matches its dequantised source; bad files are refused."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from attnres.conversion import ConversionError, ConvertOptions, convert
+from attnres.conversion.cli import main
+from modeling_attnres import AttnResForCausalLM
+from tests.conversion.builders import rel_diff, source_model, token_ids
+from tests.conversion.gguf_files import CHAT_TEMPLATE, VOCAB_SIZE, dequantised, tokens_and_merges, write_gguf
+
+
+def tiny_llama(eps: float = 0.0, tied: bool = True, seed: int = 0):
+    """SmolLM2's shape in miniature: GQA, no biases, tied embeddings, the GGUF's vocabulary."""
+    return source_model("llama", eps=eps, seed=seed, vocab_size=VOCAB_SIZE, tie_word_embeddings=tied)
+
+
+def assert_nothing_written(tmp_path):
+    assert not (tmp_path / "dst").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]   # no staging or GGUF folder
+
+
+@pytest.mark.parametrize("qtype,tied,scale", [(Q.F32, False, 1.0), (Q.Q8_0, True, 2.0), (Q.Q4_1, True, 1.0)])
+def test_gguf_converts_and_matches_its_dequantised_source(tmp_path, qtype, tied, scale):
+    src = tiny_llama(tied=tied, seed=3)
+    path = write_gguf(src, tmp_path / "tiny.gguf", qtype)
+    result = convert(path, tmp_path / "dst", ConvertOptions(verify=False, stream_scale=scale))
+    assert result.layout == "LlamaForCausalLM" and qtype.name in result.origin
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32).eval()
+    model.config._attn_implementation = "eager"
+    assert isinstance(model, AttnResForCausalLM) and model.config.tie_word_embeddings == tied
+    reference = dequantised(src, qtype)        # independent of transformers' GGUF loader
+    ids = token_ids(VOCAB_SIZE)
+    with torch.no_grad():
+        assert rel_diff(model(ids).logits, reference(ids).logits) < 1e-5
+        kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]   # the GGUF's folder is gone
+
+
+def test_cli_converts_a_folder_with_one_q4_1_gguf_and_keeps_tokenizer_and_chat_template(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    write_gguf(tiny_llama(eps=1e-5, seed=4), tmp_path / "src" / "model-q4_1.gguf", Q.Q4_1)
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF (Q4_1: 29 tensors, F32: 9 tensors), dequantised to float32" in out
+    assert "compared with: the dequantised GGUF" in out and "greedy generation (8 tokens) agrees: yes" in out
+    assert "(float noise: the deviation above is the eps effect only)" in out
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "dst")
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    tokens = tokens_and_merges()[0]
+    # byte-level BPE with the file's merges: " the" is one token, " cat" is " c" + "a" + "t"
+    assert tokenizer.encode(" the cat", add_special_tokens=False) == [tokens.index(t) for t in ("Ġthe", "Ġc", "a", "t")]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.convert_tokens_to_ids("<|im_end|>") == VOCAB_SIZE - 1
+    assert "Q4_1" in (tmp_path / "dst" / "README.md").read_text()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path, capsys):
+    write_gguf(tiny_llama(), tmp_path / "gpt.gguf", arch="gpt2")
+    assert main([str(tmp_path / "gpt.gguf"), str(tmp_path / "dst")]) == 1
+    err = capsys.readouterr().err
+    assert "Unsupported GGUF architecture 'gpt2' in gpt.gguf" in err and "of architecture 'llama'" in err
+    assert_nothing_written(tmp_path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    norm = tiny_llama().model.norm.weight.detach().numpy().astype(np.float64)
+    path = write_gguf(tiny_llama(), tmp_path / "f64.gguf", raw={"output_norm.weight": norm})
+    with pytest.raises(ConversionError, match=r"cannot be dequantised: F64 \(output_norm\.weight\)\. "
+                                              r"Supported: F32, F16, Q4_0, Q4_1, .*Q8_0"):
+        convert(path, tmp_path / "dst")
+    assert_nothing_written(tmp_path)
+
+
+def test_folder_with_two_ggufs_and_seed_options_are_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        write_gguf(tiny_llama(), src / name)
+    with pytest.raises(ConversionError, match=r"holds 2 GGUF files \(a\.gguf, b\.gguf\); pass the one"):
+        convert(src, tmp_path / "dst")
+    with pytest.raises(ConversionError, match=r"--seed-block-size do\(es\) not apply here: a\.gguf is a GGUF"):
+        convert(src / "a.gguf", tmp_path / "dst", ConvertOptions(seed_block_size=4))
+    assert_nothing_written(tmp_path)
