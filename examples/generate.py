@@ -25,8 +25,9 @@ def load(model_path: Path):
     if not (model_path / "config.json").is_file():
         raise SystemExit(f"error: {str(model_path)!r} is not a checkpoint folder (no config.json); "
                          f"pass --model with a folder written by save_pretrained, e.g. {DEFAULT_MODEL}")
-    import modeling_attnres  # noqa: F401  (registers the AttnRes architecture with the Auto classes)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_attnres  # noqa: F401  (registers the AttnRes architecture with the Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(model_path)

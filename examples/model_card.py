@@ -29,11 +29,9 @@ def generation_config(model):
                             pad_token_id=cfg.pad_token_id, do_sample=False, max_new_tokens=128)
 
 
-def command_line(args) -> str:
-    """The command that reproduces this run (arguments that differ from the defaults only)."""
-    from train import parse_args
-
-    defaults = vars(parse_args([]))
+def command_line(args, defaults: dict) -> str:
+    """The command that reproduces this run: the arguments whose value differs from `defaults`
+    (the training script's parsed defaults, passed in so this module does not import the script)."""
     parts = [".venv/bin/python examples/train.py"]
     for key, value in vars(args).items():
         if key in ("work_dir", "threads", "stop_after", "no_resume") or value == defaults.get(key):
@@ -42,8 +40,10 @@ def command_line(args) -> str:
     return " ".join(parts)
 
 
-def export_model(model, tok, args, metrics: dict, heldout: str) -> Path:
-    """Write the model folder to `args.out` (temp folder, then rename); returns the path."""
+def export_model(model, tok, args, metrics: dict, heldout: str, defaults: dict) -> Path:
+    """Write the model folder to `args.out` (temp folder, then rename); returns the path.
+
+    `defaults` are the training script's default arguments, for the card's reproduce command."""
     out = Path(args.out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -55,7 +55,7 @@ def export_model(model, tok, args, metrics: dict, heldout: str) -> Path:
     (tmp / HELDOUT_FILE).write_text(heldout, encoding="utf-8")
     summary = {k: v for k, v in metrics.items() if k != "history"}
     (tmp / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (tmp / "README.md").write_text(card_text(model, args, summary), encoding="utf-8")
+    (tmp / "README.md").write_text(card_text(model, args, summary, defaults), encoding="utf-8")
     if out.exists():
         old = out.with_name(f".{out.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -76,7 +76,7 @@ def speed_line(m: dict) -> str:
     return f" Training took {seconds / 60:.0f} min at {rate:.0f} tokens/s (one thread of a busy shared CPU)."
 
 
-def card_text(model, args, m: dict) -> str:
+def card_text(model, args, m: dict, defaults: dict) -> str:
     """The model card: what it is, how it was trained, what it measures, how to use it."""
     cfg = model.config
     arch = {"block": f"Block AttnRes ({cfg.num_hidden_layers} layers, {getattr(cfg, 'attn_res_block_size', '')} "
@@ -84,6 +84,8 @@ def card_text(model, args, m: dict) -> str:
             "full": "Full AttnRes (every sublayer output is a depth source)",
             "llama": "Llama baseline (standard residual stream)"}[args.arch]
     size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    dims = (f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
+            f"MLP {cfg.intermediate_size}, context {cfg.max_position_embeddings}")
     return f"""---
 license: apache-2.0
 library_name: transformers
@@ -105,7 +107,7 @@ request continues the code it contains).
 |---|---|
 | architecture | `{cfg.model_type}`: {arch} |
 | parameters | {m['params']:,} (tied input/output embeddings), {size_mb:.1f} MB in {args.save_dtype} |
-| dims | hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, MLP {cfg.intermediate_size}, context {cfg.max_position_embeddings} |
+| dims | {dims} |
 | tokenizer | byte-level BPE, {cfg.vocab_size} tokens, trained with `tokenizers` on the training split |
 
 ## Training
@@ -116,7 +118,7 @@ request continues the code it contains).
 when `sha256(relative path) % 100 < {args.validation_percent}`. Reproduce with:
 
 ```bash
-{command_line(args)}
+{command_line(args, defaults)}
 ```
 
 ## Evaluation

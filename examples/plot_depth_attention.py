@@ -43,7 +43,8 @@ class PlotError(Exception):
 def read_config(path: Path) -> dict:
     """`config.json` of a checkpoint folder, with errors that say what is wrong and what to pass."""
     if not path.exists():
-        raise PlotError(f"model path {str(path)!r} does not exist; pass a checkpoint folder such as models/attnres-tiny")
+        raise PlotError(f"model path {str(path)!r} does not exist; "
+                        "pass a checkpoint folder such as models/attnres-tiny")
     if not path.is_dir():
         raise PlotError(f"model path {str(path)!r} is a file; pass the checkpoint folder that contains config.json")
     config_file = path / "config.json"
@@ -63,8 +64,9 @@ def load_model(path: Path):
         raise PlotError(f"{str(path)!r} is a {model_type!r} checkpoint, not an AttnRes one (model_type 'attnres'); "
                         f"only AttnRes models have depth attention to plot. Pass an AttnRes checkpoint folder, "
                         f"or convert this model first (see the conversion section of the README).")
-    import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

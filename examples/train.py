@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnres_data as data  # noqa: E402
+from model_card import export_model  # noqa: E402
 
 ARCHS = ("block", "full", "llama")
 # Arguments that change the data, the model or the optimisation: a checkpoint written under
@@ -285,9 +286,7 @@ def run_training(args) -> dict:
     if stop == args.steps:
         metrics.update(evaluate(model, tok, val_chunks, heldout, args))
         if args.out:
-            from model_card import export_model
-
-            export_model(model, tok, args, metrics, heldout)
+            export_model(model, tok, args, metrics, heldout, defaults=vars(parse_args([])))
     (args.work_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
 

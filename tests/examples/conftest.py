@@ -38,8 +38,9 @@ def shipped():
         pytest.fail(f"the shipped model is missing at {SHIPPED_MODEL}; train it with examples/train.py --arch block "
                     f"--out models/attnres-tiny")
     import torch
-    import modeling_attnres  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_attnres  # noqa: F401
 
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(SHIPPED_MODEL)

@@ -5,10 +5,10 @@ import struct
 import subprocess
 import sys
 
+import plot_depth_attention as plot
 import pytest
 import torch
 
-import plot_depth_attention as plot
 from tests.examples.conftest import EXAMPLES, REPO, SHIPPED_MODEL
 from tests.helpers import tiny_config
 

@@ -4,11 +4,11 @@ import json
 import math
 import re
 
+import attnres_data
 import pytest
 import torch
-
-import attnres_data
 from model_card import HELDOUT_FILE
+
 from modeling_attnres import AttnResForCausalLM
 from tests.examples.conftest import SHIPPED_MODEL
 

@@ -1,8 +1,9 @@
 """The training script on a tiny config: it learns, it is deterministic, and it resumes exactly."""
 
+from pathlib import Path
+
 import pytest
 import torch
-
 import train
 
 TINY_ARGS = ["--validation-percent", "20", "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4",
@@ -85,3 +86,12 @@ def test_bad_arguments_name_the_value():
         train.check_args(args)
     with pytest.raises(SystemExit, match="corpus root /nonexistent/corpus is not a directory"):
         train.main(["--corpus-root", "/nonexistent/corpus", "--work-dir", "/nonexistent/work"])
+
+
+def test_model_card_does_not_import_the_training_script():
+    import ast
+
+    tree = ast.parse((Path(train.__file__).parent / "model_card.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "train" not in imported, "examples/model_card.py imports examples/train.py back (an import cycle)"
