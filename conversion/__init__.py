@@ -5,8 +5,10 @@ live in `standard` (Llama, Qwen2, Qwen3, Mistral) and `seed` (other AttnRes layo
 files are dequantised into a standard source first (`gguf_source`).
 """
 
-from .converter import ConversionResult, ConvertOptions, convert
+from .converter import VerificationFailed, convert
+from .datatypes import ConversionResult, ConvertOptions, VerifyReport
 from .errors import ConversionError
 from .hub import push_folder
 
-__all__ = ["ConversionError", "ConversionResult", "ConvertOptions", "convert", "push_folder"]
+__all__ = ["ConversionError", "ConversionResult", "ConvertOptions", "VerificationFailed", "VerifyReport", "convert",
+           "push_folder"]

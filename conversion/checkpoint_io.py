@@ -10,8 +10,8 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,7 +28,7 @@ REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?\Z")
 class SafetensorsSource:
     """Lazy access to one or several safetensors files (a sharded checkpoint)."""
 
-    def __init__(self, files: list[Path], weight_map: Optional[dict[str, str]] = None):
+    def __init__(self, files: list[Path], weight_map: dict[str, str] | None = None):
         self._handles, self._where = {}, {}
         for path in files:
             try:
@@ -84,7 +84,7 @@ class StateDictSource:
         return tuple(self._sd[key].shape)
 
 
-def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
+def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Tensors of a `torch.save` file and the config dict stored with them, if any.
 
     Accepts a bare state dict or the usual training-script wrapper `{"model"|"state_dict": sd,
@@ -133,7 +133,7 @@ def open_checkpoint(folder: Path) -> SafetensorsSource | StateDictSource:
                           "or a pytorch_model.bin.")
 
 
-def resolve_source(src: str, revision: Optional[str] = None) -> Path:
+def resolve_source(src: str, revision: str | None = None) -> Path:
     """A local path as is; otherwise a Hub repo id, downloaded (or found in the cache when
     `HF_HUB_OFFLINE=1`) with `huggingface_hub.snapshot_download`."""
     path = Path(src).expanduser()

@@ -9,10 +9,11 @@ Examples:
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
-from .converter import DTYPES, ConversionResult, ConvertOptions, convert
+from .converter import convert
+from .datatypes import DTYPES, ConversionResult, ConvertOptions
 from .errors import ConversionError
 from .hub import push_folder
 
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="output dtype (default: the source's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip running both models")
+    p.add_argument("--keep-failed", action="store_true", help="publish DST even if the verification fails "
+                   "(by default a failed verification leaves nothing at DST and exits with status 1)")
     p.add_argument("--clip-to-sliding-window", dest="clip_to_window", action="store_true",
                    help="convert a Mistral sliding-window model with max_position_embeddings cut to the window")
     p.add_argument("--seed-block-size", type=int, help="block size of a seed-layout checkpoint, in sublayers")
@@ -58,13 +61,16 @@ def summary(result: ConversionResult) -> list[str]:
     return lines
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `attnres-convert`; returns the exit status (1 on a conversion error)."""
     args = vars(build_parser().parse_args(argv))
     src, dst, repo, private = args.pop("src"), args.pop("dst"), args.pop("push_to_hub"), args.pop("private")
     try:
         result = convert(src, dst, ConvertOptions(**args))
         print("\n".join(summary(result)))
+        if result.verification is not None and not result.verification.passed:
+            print(f"attnres-convert: warning: verification FAILED ({'; '.join(result.verification.failures())}); "
+                  f"{result.dst} was published anyway because of --keep-failed.", file=sys.stderr)
         if repo:
             print(f"Pushed to {push_folder(result.dst, repo, private=private)}")
     except ConversionError as err:

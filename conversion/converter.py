@@ -1,93 +1,60 @@
 """The Python API behind `attnres-convert`: plan a conversion, write it atomically, verify it.
 
 `convert(src, dst)` takes a local folder, a Hub repo id, a state-dict file or a Llama GGUF file
-(dequantised first, see `gguf_source`) and writes an
-`AttnResForCausalLM` folder (safetensors, config with `auto_map`, the modeling files, the source's
-tokenizer / chat template / generation config, a model card). Everything is written to a hidden
-sibling of DST and renamed into place only after the converted model has loaded and been verified.
+(dequantised first, see `gguf_source`) and writes an `AttnResForCausalLM` folder (safetensors,
+config with `auto_map`, the modeling files, the source's tokenizer / chat template / generation
+config, a model card). Everything is written to a hidden sibling of DST and renamed into place only
+after the converted model has loaded and passed its verification; a failed verification raises
+`VerificationFailed` and leaves nothing at DST, unless `keep_failed` asks to publish it anyway.
 """
 
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from transformers import AutoConfig
 
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 
-from .checkpoint_io import (STATE_DICT_SUFFIXES, StateDictSource, check_destination, copy_side_files,
-                            load_state_dict_file, open_checkpoint, publish, resolve_source, staging_dir)
+from .card import write_model_card
+from .checkpoint_io import (
+    STATE_DICT_SUFFIXES,
+    StateDictSource,
+    check_destination,
+    copy_side_files,
+    load_state_dict_file,
+    open_checkpoint,
+    publish,
+    resolve_source,
+    staging_dir,
+)
+from .datatypes import DTYPES, ConversionResult, ConvertOptions, Plan, VerifyReport
 from .errors import ConversionError
 from .gguf_source import dequantised_folder, find_gguf
-from .keymap import Fill, Rule, TensorSource, TransformContext, apply_key_map, resolve_key_map, target_shapes
-from .model_card import write_model_card
+from .keymap import TensorSource, TransformContext, apply_key_map, resolve_key_map, target_shapes
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
-from .standard import (architecture_of, attnres_config_from_standard, standard_fills, standard_rules,
-                       stream_scale_candidates)
-from .verify import VerifyReport, calibrate_stream_scale, verify_attnres_layout, verify_standard
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ConvertOptions:
-    """Knobs of a conversion; the defaults are what `attnres-convert SRC DST` does.
-
-    block_size: layers per block (default ceil(L/8), about 8 blocks). mode: "block" or "full".
-    stream_scale: residual-stream scale s for standard models (default: see `choose_stream_scale`;
-    1 leaves the weights bit-identical). dtype: "auto" (the source's) or a name in `DTYPES`.
-    seed_block_size / config_path: for state-dict files (block size in sublayers; config json).
-    """
-
-    block_size: Optional[int] = None
-    mode: str = "block"
-    stream_scale: Optional[float] = None
-    dtype: str = "auto"
-    overwrite: bool = False
-    verify: bool = True
-    clip_to_window: bool = False
-    seed_block_size: Optional[int] = None
-    config_path: Optional[Path] = None
-    revision: Optional[str] = None
-    max_shard_size: str = "5GB"
+from .standard import (
+    architecture_of,
+    attnres_config_from_standard,
+    standard_fills,
+    standard_rules,
+    stream_scale_candidates,
+)
+from .verify import calibrate_stream_scale, verify_attnres_layout, verify_standard
 
 
-@dataclass
-class Plan:
-    """What to convert and how: the tensors, the key map, the target config."""
+class VerificationFailed(ConversionError):
+    """The converted model failed its verification, so nothing was published (see `VerifyReport.passed`)."""
 
-    layout: str                      # a source architecture name, or "attnres" for other AttnRes layouts
-    source: TensorSource
-    rules: tuple[Rule, ...]
-    fills: tuple[Fill, ...]
-    config: AttnResConfig
-    ctx: TransformContext
-    folder: Optional[Path]           # where side files (tokenizer, ...) and the source model live
-    dtype: torch.dtype               # of the output
-    scale_errors: dict[float, float] = field(default_factory=dict)   # calibration: s -> predicted error
-
-
-@dataclass
-class ConversionResult:
-    """What `convert` did, for the CLI summary, the model card and tests."""
-
-    src: str
-    dst: Path
-    layout: str
-    config: AttnResConfig
-    stream_scale: float
-    dtype: torch.dtype
-    scale_errors: dict[float, float] = field(default_factory=dict)
-    copied_files: list[str] = field(default_factory=list)
-    verification: Optional[VerifyReport] = None
-    origin: str | None = None        # how the source was read, when not as given (a dequantised GGUF)
-
-    def calibration_summary(self) -> str:
-        """`s=1: 1.4e-06, s=2: ...`: the predicted relative logit error of each candidate scale."""
-        return ", ".join(f"s={s:g}: {e:.2e}" for s, e in self.scale_errors.items())
+    def __init__(self, dst: Path, report: VerifyReport):
+        self.report = report
+        super().__init__(
+            f"verification failed: {'; '.join(report.failures())}. Nothing was published at {dst}.\n"
+            + "\n".join(f"  {line}" for line in report.lines())
+            + "\nThe converted model does not reproduce its source as docs/spec.md predicts. Check the options "
+            "(--stream-scale, --dtype) and report a converter bug with the source's config.json; pass "
+            "--keep-failed (ConvertOptions(keep_failed=True)) to publish it anyway.")
 
 
 def _read_json(path: Path) -> dict:
@@ -115,7 +82,7 @@ def _reject_options(options: ConvertOptions, names: tuple[str, ...], why: str) -
 
 
 def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOptions,
-                         folder: Optional[Path]) -> Plan:
+                         folder: Path | None) -> Plan:
     _reject_options(options, ("block_size", "mode", "stream_scale", "clip_to_window"),
                     "SRC is already an AttnRes model, its block structure is kept (set --seed-block-size "
                     "if its config lacks one) and its weights are not rescaled.")
@@ -160,7 +127,7 @@ def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
 
 
 def choose_stream_scale(folder: Path, config: AttnResConfig, dtype: torch.dtype,
-                        requested: Optional[float]) -> tuple[float, dict[float, float]]:
+                        requested: float | None) -> tuple[float, dict[float, float]]:
     """The residual-stream scale s, and the predicted error of each candidate when calibrated.
 
     Which s is best depends on the model: random-init models (tiny embeddings) want s near the
@@ -235,7 +202,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = N
 
 def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
                      origin: str | None = None) -> ConversionResult:
-    """Write the planned model to a staging folder, verify it there and publish it at DST."""
+    """Write the planned model to a staging folder, verify it there and publish it at DST if it passed
+    (or `options.keep_failed`)."""
     result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
                               plan.scale_errors, origin=origin)
     tmp = staging_dir(dst)
@@ -248,6 +216,8 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
                 verify_standard(plan.folder, tmp, plan.config, plan.ctx.stream_scale, plan.dtype,
                                 reference="the dequantised GGUF" if origin else None)
                 if plan.layout != "attnres" else verify_attnres_layout(plan, tmp))
+            if not result.verification.passed and not options.keep_failed:
+                raise VerificationFailed(dst, result.verification)
         write_model_card(tmp, result)
         publish(tmp, dst)
     except BaseException:
@@ -256,4 +226,4 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
     return result
 
 
-__all__ = ["ConvertOptions", "ConversionResult", "convert", "plan_conversion"]
+__all__ = ["ConversionResult", "ConvertOptions", "VerificationFailed", "convert", "plan_conversion"]

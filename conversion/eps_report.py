@@ -11,9 +11,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from .converter import ConvertOptions, convert
+from .converter import convert
+from .datatypes import ConvertOptions
 
 CONFIGS = {"Llama": LlamaConfig, "Qwen2": Qwen2Config, "Qwen3": Qwen3Config, "Mistral": MistralConfig}
 SHAPE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -5,7 +5,6 @@ reads the config's `auto_map` and the modeling files uploaded with the weights.
 """
 
 from pathlib import Path
-from typing import Optional
 
 from huggingface_hub import HfApi
 
@@ -16,8 +15,8 @@ from .errors import ConversionError
 REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md")
 
 
-def push_folder(folder: Path, repo_id: str, *, private: Optional[bool] = None, token: Optional[str] = None,
-                endpoint: Optional[str] = None, revision: Optional[str] = None) -> str:
+def push_folder(folder: Path, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                endpoint: str | None = None, revision: str | None = None) -> str:
     """Create `repo_id` if needed and upload every file of `folder` in one commit; returns the commit URL.
 
     `endpoint` defaults to `HF_ENDPOINT` (huggingface.co); `token` to the logged-in token / `HF_TOKEN`.

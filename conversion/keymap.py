@@ -8,8 +8,9 @@ shape differs from the AttnRes model's, is an error that lists every such key, n
 """
 
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional, Protocol
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -25,7 +26,7 @@ class Rule:
     """
 
     sources: tuple[str, ...]
-    target: Optional[str]
+    target: str | None
     transform: str = "copy"
 
     def __post_init__(self):

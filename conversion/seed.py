@@ -16,7 +16,7 @@ which is the spec's schedule (K3 wins where sources differ).
 
 import dataclasses
 import warnings
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -116,7 +116,7 @@ def _infer_flags(keys: Iterable[str], fields: dict) -> None:
     fields.setdefault("mlp_bias", any(k.endswith("mlp.gate_proj.bias") for k in keys))
 
 
-def attnres_config_from_seed(config: dict, keys: Iterable[str], seed_block_size: Optional[int] = None) -> AttnResConfig:
+def attnres_config_from_seed(config: dict, keys: Iterable[str], seed_block_size: int | None = None) -> AttnResConfig:
     """An AttnResConfig from a training-script config dict (Llama field names).
 
     The seed's `block_size` (sublayers) or `seed_block_size` sets the block size; a config that is

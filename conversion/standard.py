@@ -16,7 +16,6 @@ carry over unchanged; what the converter adds is:
 """
 
 import math
-from typing import Optional
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -94,7 +93,7 @@ def architecture_of(config: PretrainedConfig) -> str:
     return arch
 
 
-def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> Optional[int]:
+def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> int | None:
     """Reject sliding-window attention, which AttnRes (full causal attention) cannot carry.
 
     Mistral's window equals full attention for sequences up to the window, so `clip_to_window`
@@ -133,7 +132,7 @@ def _check_rope(config: PretrainedConfig) -> dict:
     return rope
 
 
-def attnres_config_from_standard(config: PretrainedConfig, *, block_size: Optional[int] = None,
+def attnres_config_from_standard(config: PretrainedConfig, *, block_size: int | None = None,
                                  mode: str = "block", clip_to_window: bool = False) -> AttnResConfig:
     """The AttnResConfig that carries `config` (a Llama/Qwen2/Qwen3/Mistral config) exactly."""
     arch = architecture_of(config)

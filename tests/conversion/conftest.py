@@ -1,7 +1,15 @@
-"""Settings for the converter tests."""
+"""Settings for the converter tests, scoped to this directory."""
 
+import pytest
 import torch
 
-# The test models are tiny; with several test runs sharing two cores, intra-op threads only spin and
-# wait for each other (measured: generate() 50x slower with 2 threads under load than with 1).
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread while a converter test module runs, then the previous count again (other
+    test directories keep theirs). The test models are tiny; with several test runs sharing two cores,
+    intra-op threads only spin and wait for each other (generate() was 50x slower with 2 threads under load)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

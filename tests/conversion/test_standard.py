@@ -94,8 +94,10 @@ def test_cli_verifies_and_keeps_tokenizer_chat_template_and_generation_config(tm
     save_source(src, tmp_path / "src", tokenizer=True)
     assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--dtype", "bfloat16", "--block-size", "3"]) == 0
     out = capsys.readouterr().out
-    assert "max |logit difference|" in out and "greedy generation" in out
-    assert "eps prediction: " in out and "(float noise: the deviation above is the eps effect only)" in out
+    assert "max |logit difference|" in out and "verdict: passed" in out
+    assert "greedy generation (8 tokens) agrees: yes (with the source with weights rounded to bfloat16)" in out
+    assert "eps prediction with weights rounded to bfloat16: " in out
+    assert "(float noise: the deviation above is the eps effect only)" in out
     dst = tmp_path / "dst"
     config = json.loads((dst / "config.json").read_text())
     assert config["model_type"] == "attnres" and config["attn_res_block_size"] == 3 and config["dtype"] == "bfloat16"

@@ -1,12 +1,9 @@
 """The model card (README.md) of a converted checkpoint: what was converted, how, and what it costs."""
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .checkpoint_io import REPO_ID
-
-if TYPE_CHECKING:
-    from .converter import ConversionResult
+from .datatypes import ConversionResult
 
 STANDARD_HOW = """All transformer weights are carried over (scaled by a power of two where noted below);
 every depth-attention pseudo-query is zero and every depth key-norm gain is one, so each site mixes
@@ -24,14 +21,14 @@ LAYOUT_HOW = """The source already is an AttnRes model; its tensors were renamed
 sublayers -> layers) by a declarative key map. No value was changed except for the output dtype."""
 
 
-def _front_matter(result: "ConversionResult") -> str:
+def _front_matter(result: ConversionResult) -> str:
     lines = ["---", "library_name: transformers", "tags:", "- attnres", "- attention-residuals"]
     if REPO_ID.match(result.src) and "/" in result.src:
         lines.append(f"base_model: {result.src}")
     return "\n".join(lines + ["---", ""])
 
 
-def _config_lines(result: "ConversionResult") -> list[str]:
+def _config_lines(result: ConversionResult) -> list[str]:
     cfg = result.config
     blocks = ("Full AttnRes (every sublayer is its own source)" if cfg.attn_res_mode == "full" else
               f"Block AttnRes, {cfg.attn_res_block_size} layer(s) per block "
@@ -47,7 +44,17 @@ def _config_lines(result: "ConversionResult") -> list[str]:
     return lines
 
 
-def model_card(result: "ConversionResult") -> str:
+def _verification_lines(result: ConversionResult) -> list[str]:
+    report = result.verification
+    if report is None:
+        return ["Verification was skipped (`--no-verify`).", ""]
+    warning = ([] if report.passed else
+               [f"**Verification FAILED ({'; '.join(report.failures())}); published anyway with `--keep-failed`.**",
+                ""])
+    return ["## Verification", "", *warning, *(f"- {line}" for line in report.lines()), ""]
+
+
+def model_card(result: ConversionResult) -> str:
     """The README.md text for a converted checkpoint."""
     if result.layout == "attnres":
         how = LAYOUT_HOW
@@ -55,8 +62,7 @@ def model_card(result: "ConversionResult") -> str:
         tied = ", and the final norm's gain divided by `s` because lm_head is tied to the embedding"
         tied_note = tied if result.config.tie_word_embeddings else ""
         how = STANDARD_HOW.format(scale=result.stream_scale, tied_note=tied_note)
-    verify = (["## Verification", "", *(f"- {line}" for line in result.verification.lines()), ""]
-              if result.verification is not None else ["Verification was skipped (`--no-verify`).", ""])
+    verify = _verification_lines(result)
     return "\n".join([
         _front_matter(result), f"# AttnRes conversion of {result.src}", "",
         "An Attention Residuals (Kimi Team, arXiv:2603.15031) model converted with `attnres-convert`.", "",
@@ -67,6 +73,6 @@ def model_card(result: "ConversionResult") -> str:
         "(`import modeling_attnres`) the installed code is used instead.", ""])
 
 
-def write_model_card(folder: Path, result: "ConversionResult") -> None:
+def write_model_card(folder: Path, result: ConversionResult) -> None:
     """Write README.md into the output folder."""
     (folder / "README.md").write_text(model_card(result))

@@ -1,0 +1,63 @@
+"""A conversion that fails its own verification is never published (unless --keep-failed asks for it).
+
+The failures are real: a converter with a wrong key map (the MLP output left unscaled while the rest
+of the stream is scaled), and a source whose eps is so large that the spec's eps effect changes the
+greedy tokens. Neither mocks the verifier.
+"""
+
+import dataclasses
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+import attnres.conversion.converter as converter_module
+from attnres.conversion import ConvertOptions, VerificationFailed, convert
+from attnres.conversion.cli import main
+from attnres.conversion.standard import standard_rules
+from tests.conversion.builders import save_source, source_model
+
+
+def staged(tmp_path) -> list[str]:
+    return [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.fixture
+def unscaled_down_proj(monkeypatch):
+    """A converter bug: down_proj copied instead of scaled by s, so with s != 1 every MLP adds 1/s of its output."""
+    def buggy_rules(config, source):
+        return tuple(dataclasses.replace(rule, transform="copy") if rule.target and "down_proj" in rule.target
+                     else rule for rule in standard_rules(config, source))
+    monkeypatch.setattr(converter_module, "standard_rules", buggy_rules)
+
+
+def test_wrong_conversion_publishes_nothing_and_exits_non_zero(tmp_path, capsys, unscaled_down_proj):
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--stream-scale", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "attnres-convert: error: verification failed: max |difference| to the spec's eps prediction is" in err
+    assert "LARGER than float noise" in err and f"Nothing was published at {tmp_path / 'dst'}" in err
+    assert "verdict: FAILED" in err and "--keep-failed" in err
+    assert not (tmp_path / "dst").exists() and staged(tmp_path) == []
+
+
+def test_keep_failed_publishes_with_a_warning(tmp_path, capsys, unscaled_down_proj):
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--stream-scale", "2", "--keep-failed"]) == 0
+    captured = capsys.readouterr()
+    assert "verdict: FAILED" in captured.out
+    assert "warning: verification FAILED (max |difference| to the spec's eps prediction" in captured.err
+    assert "published anyway because of --keep-failed" in captured.err
+    assert "**Verification FAILED (" in (tmp_path / "dst" / "README.md").read_text()
+    AutoModelForCausalLM.from_pretrained(tmp_path / "dst")   # a complete checkpoint
+    assert staged(tmp_path) == []
+
+
+def test_greedy_disagreement_from_a_large_eps_effect_is_refused(tmp_path):
+    src = save_source(source_model("llama", eps=1e-2), tmp_path / "src")
+    with pytest.raises(VerificationFailed, match=r"greedy generation differs from the source: the logits are the "
+                                                 r"spec's prediction, so the eps effect itself") as failure:
+        convert(src, tmp_path / "dst", ConvertOptions(stream_scale=1.0))
+    assert failure.value.report.prediction_holds and not failure.value.report.greedy_agree
+    assert not (tmp_path / "dst").exists() and staged(tmp_path) == []
+    result = convert(src, tmp_path / "dst", ConvertOptions(stream_scale=1.0, keep_failed=True))
+    assert not result.verification.passed and (tmp_path / "dst" / "model.safetensors").exists()
