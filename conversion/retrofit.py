@@ -1,0 +1,407 @@
+"""`attnres-retrofit MODEL CORPUS --out DST`: teach a converted AttnRes model depth attention.
+
+A converted checkpoint (`attnres-convert`) has zero pseudo-queries, so every site averages its
+sources uniformly and the model computes what its source did (docs/spec.md, section 8). This command
+trains the depth-attention parameters (the pseudo-queries `*_res_proj` and key-norm gains
+`*_res_norm`; `--train all` trains everything) on a text corpus with the transformers `Trainer`,
+the backbone frozen by default, and writes the trained model atomically to DST. `--export-depth
+FILE` also writes ONLY the depth parameters as a small safetensors file that `apply_depth_parameters`
+puts back on top of a fresh conversion of the same source.
+
+    attnres-retrofit out/smollm2-attnres docs-corpus/ --out out/smollm2-retrofit \\
+        --export-depth depth.safetensors --steps 200 --seq-len 128 --batch-size 8
+
+The corpus is a text file or a folder of them (`--pattern`, default `*.txt`, `*.md`, `*.rst`),
+read in sorted order; a file is held out when `sha256(relative path) % 100 < --validation-percent`,
+and the held-out loss is reported before and after training. Checkpoints go to `--work-dir` every
+`--save-every` steps; `--resume` continues from the last one exactly (same batches, same result).
+Runs under `accelerate launch` (DDP or FSDP) unchanged: `--batch-size` is the global batch, split
+evenly over the processes, so the loss curve matches one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+DEPTH_MARKERS = ("_res_proj.", "_res_norm.")
+TRAINABLE = {
+    "depth": DEPTH_MARKERS,              # pseudo-queries and key-norm gains
+    "queries": ("_res_proj.",),          # pseudo-queries only
+    "norms": ("layernorm.", "model.norm."),  # the backbone's RMSNorm gains (a control for a standard model)
+    "all": ("",),
+}
+DEFAULT_PATTERNS = ("*.txt", "*.md", "*.rst")
+DEPTH_FORMAT = "attnres-depth-v1"
+# Config fields that must agree between the model a depth file was trained on and the one it is applied to.
+DEPTH_CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "attn_res_mode", "attn_res_block_size")
+
+
+class RetrofitError(Exception):
+    """A user-facing error: bad model, corpus, arguments or depth file."""
+
+
+# ----------------------------------------------------------------------------------------- args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="attnres-retrofit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="a converted AttnRes checkpoint folder")
+    p.add_argument("corpus", type=Path, help="a text file or a folder of text files")
+    p.add_argument("--out", type=Path, help="write the trained model here (default: WORK_DIR/final)")
+    p.add_argument("--export-depth", type=Path, help="also write only the depth parameters to this .safetensors")
+    p.add_argument("--work-dir", type=Path, help="Trainer checkpoints (default: /tmp/attnres-retrofit/MODEL_NAME)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work-dir")
+    p.add_argument("--train", choices=sorted(TRAINABLE), default="depth",
+                   help="depth: pseudo-queries + key-norm gains (default); queries; all: every parameter")
+    p.add_argument("--pattern", action="append", help=f"file glob in a corpus folder (default: {DEFAULT_PATTERNS})")
+    p.add_argument("--validation-percent", type=int, default=10)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (split over accelerate processes)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of seq-len tokens (0: all)")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-after", type=int, help="checkpoint and exit after this step (simulates an interruption)")
+    args = p.parse_args(argv)
+    args.pattern = tuple(args.pattern or DEFAULT_PATTERNS)
+    args.work_dir = args.work_dir or Path("/tmp/attnres-retrofit") / args.model.resolve().name
+    return args
+
+
+def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
+    """Reject values that would only fail later, naming the value and the fix."""
+    for name in ("steps", "batch_size", "seq_len", "save_every"):
+        if getattr(args, name) < 1:
+            raise RetrofitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.validation_percent < 100:
+        raise RetrofitError(f"--validation-percent must be in 1..99, got {args.validation_percent}")
+    if args.batch_size % world_size:
+        raise RetrofitError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
+                            f"{world_size} processes; pass a multiple of {world_size}")
+    if args.export_depth is not None and args.export_depth.suffix != ".safetensors":
+        raise RetrofitError(f"--export-depth {args.export_depth} must end in .safetensors")
+
+
+def check_attnres(path: Path) -> dict:
+    """The checkpoint's config.json, refusing anything that is not an AttnRes checkpoint folder."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise RetrofitError(f"{path} is not a checkpoint folder (no config.json); pass a folder written by "
+                            "attnres-convert or save_pretrained")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != "attnres":
+        raise RetrofitError(f"{path} holds a {config.get('model_type')!r} model, not an AttnRes one; "
+                            f"convert it first: attnres-convert {path} {path}-attnres")
+    return config
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+def is_validation(rel_path: str, percent: int) -> bool:
+    """Split by a hash of the relative path: stable across machines, and whole files stay on one side."""
+    return int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:4], "big") % 100 < percent
+
+
+def corpus_files(corpus: Path, patterns: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """`(relative path, path)` of the corpus files, sorted; a single file is its own corpus."""
+    if corpus.is_file():
+        return [(corpus.name, corpus)]
+    if not corpus.is_dir():
+        raise RetrofitError(f"corpus {corpus} does not exist; pass a text file or a folder of text files")
+    files = {p for pattern in patterns for p in corpus.rglob(pattern) if p.is_file()}
+    if not files:
+        raise RetrofitError(f"corpus {corpus} holds no files matching {', '.join(patterns)}; "
+                            "pass --pattern GLOB for other names")
+    return sorted((p.relative_to(corpus).as_posix(), p) for p in files)
+
+
+def read_corpus(corpus: Path, patterns: tuple[str, ...], percent: int) -> dict[str, list[str]]:
+    """`{"train": [...], "validation": [...]}` non-empty file texts; both splits must be non-empty."""
+    splits: dict[str, list[str]] = {"train": [], "validation": []}
+    for rel, path in corpus_files(corpus, patterns):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            splits["validation" if is_validation(rel, percent) else "train"].append(text)
+    if not splits["train"] and not splits["validation"]:
+        raise RetrofitError(f"corpus {corpus} is empty: every matching file is blank")
+    for split, other in (("train", "validation"), ("validation", "train")):
+        if not splits[split]:
+            raise RetrofitError(f"corpus {corpus}: no {split} files ({len(splits[other])} {other} files at "
+                                f"--validation-percent {percent}); add files or change --validation-percent")
+    return splits
+
+
+def token_windows(tokenizer, texts: list[str], seq_len: int, what: str) -> torch.Tensor:
+    """Texts joined by the end-of-text token, cut into non-overlapping `[n, seq_len]` windows."""
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise RetrofitError(f"the {what} text is {len(ids)} tokens, shorter than one window of --seq-len "
+                            f"{seq_len}; add text or lower --seq-len")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+class Windows(torch.utils.data.Dataset):
+    """Token windows as causal-LM examples (labels are the inputs; the model shifts them)."""
+
+    def __init__(self, windows: torch.Tensor):
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return self.windows.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.windows[i], "labels": self.windows[i]}
+
+
+def spread(windows: torch.Tensor, count: int) -> torch.Tensor:
+    """`count` windows spread evenly over all of them (so every held-out file contributes)."""
+    if count <= 0 or count >= windows.shape[0]:
+        return windows
+    return windows[torch.linspace(0, windows.shape[0] - 1, count).round().long()]
+
+
+@torch.no_grad()
+def heldout_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy (nats per predicted token) over `windows`."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size].to(model.device)
+        logits = model(input_ids=batch).logits.float()
+        total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(),
+                                                   reduction="sum").item()
+    model.train(was_training)
+    return total / windows[:, 1:].numel()
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+def select_trainable(model, which: str) -> list[str]:
+    """Freeze every parameter except those `which` names (see TRAINABLE); returns the trained names."""
+    markers = TRAINABLE[which]
+    names = []
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(m in name + "." if m else True for m in markers))
+        if param.requires_grad:
+            names.append(name)
+    if not names:
+        raise RetrofitError(f"--train {which}: the model has no parameter matching {markers}")
+    return names
+
+
+def load_model(path: Path):
+    """The AttnRes model (float32, for training) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
+
+    check_attnres(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+def training_arguments(args, world_size: int):
+    """Trainer settings: cosine schedule, no weight decay (it would pull pseudo-queries back to
+    uniform mixing), deterministic data order from --seed, checkpoints every --save-every steps."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(args.work_dir), max_steps=args.steps, per_device_train_batch_size=args.batch_size // world_size,
+        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=args.warmup, weight_decay=0.0,
+        adam_beta2=0.95, max_grad_norm=1.0, logging_steps=max(1, min(10, args.steps // 20)),
+        save_steps=args.save_every, save_total_limit=2, report_to=[], seed=args.seed, data_seed=args.seed,
+        dataloader_drop_last=True, disable_tqdm=False, remove_unused_columns=False,
+    )
+
+
+def last_checkpoint(work_dir: Path) -> str:
+    """The newest Trainer checkpoint under `work_dir`, for --resume."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(str(work_dir)) if work_dir.is_dir() else None
+    if found is None:
+        raise RetrofitError(f"--resume: no checkpoint-* folder in {work_dir}; run without --resume to start")
+    return found
+
+
+class StopAfter(TrainerCallback):
+    """A Trainer callback that saves a checkpoint and stops after `step` (an interruption, for tests)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_save = control.should_training_stop = True
+        return control
+
+
+def train(model, train_windows: torch.Tensor, args, world_size: int = 1):
+    """Train `model`'s unfrozen parameters with the Trainer; returns (trainer, loss history)."""
+    from transformers import Trainer
+
+    resume = last_checkpoint(args.work_dir) if args.resume else None
+    trainer = Trainer(model=model, args=training_arguments(args, world_size), train_dataset=Windows(train_windows))
+    if args.stop_after is not None:
+        trainer.add_callback(StopAfter(args.stop_after))
+    trainer.train(resume_from_checkpoint=resume)
+    history = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return trainer, history
+
+
+# --------------------------------------------------------------------------------------- output
+
+
+def save_result(trainer, tokenizer, out: Path, metrics: dict) -> None:
+    """The trained model, tokenizer and `retrofit.json` into a temporary sibling, renamed into place
+    (every process calls this: saving gathers sharded weights under FSDP)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    main = trainer.is_world_process_zero()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(str(tmp))
+    if main:
+        tokenizer.save_pretrained(tmp)
+        (tmp / "retrofit.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+
+
+def depth_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """The depth-attention tensors of a saved checkpoint folder (read from its safetensors files)."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if any(m in k + "." for m in DEPTH_MARKERS)})
+    if not tensors:
+        raise RetrofitError(f"{folder} has no depth-attention tensors (*_res_proj, *_res_norm) in its safetensors")
+    return tensors
+
+
+def export_depth(folder: Path, dst: Path, metadata: dict) -> int:
+    """Write only the depth parameters of `folder` to `dst` (atomically); returns the tensor count."""
+    from safetensors.torch import save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    meta = {"format": DEPTH_FORMAT, **{k: str(config.get(k)) for k in DEPTH_CONFIG_KEYS},
+            **{k: str(v) for k, v in metadata.items()}}
+    tensors = {k: v.float().contiguous() for k, v in depth_state_dict(folder).items()}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, dst)
+    return len(tensors)
+
+
+def apply_depth_parameters(model, path: Path) -> dict:
+    """Load a `--export-depth` file into an AttnRes model in place; returns the file's metadata.
+
+    The file must come from a model of the same shape and block schedule, and hold exactly the
+    model's depth parameters. Pseudo-query scores read RMS-normalised sources, so the residual-stream
+    scale that a conversion picks does not change what the parameters mean.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("format") != DEPTH_FORMAT:
+        raise RetrofitError(f"{path} is not a depth-parameter file (format {meta.get('format')!r}, expected "
+                            f"{DEPTH_FORMAT!r}); write one with attnres-retrofit --export-depth")
+    wrong = [f"{k}: file {meta.get(k)} vs model {getattr(model.config, k, None)}" for k in DEPTH_CONFIG_KEYS
+             if meta.get(k) != str(getattr(model.config, k, None))]
+    if wrong:
+        raise RetrofitError(f"{path} was trained on a different model ({'; '.join(wrong)})")
+    params = {n: p for n, p in model.named_parameters() if any(m in n + "." for m in DEPTH_MARKERS)}
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected or any(params[k].shape != v.shape for k, v in tensors.items()):
+        raise RetrofitError(f"{path} does not match the model's depth parameters (missing: {missing[:3]}, "
+                            f"unexpected: {unexpected[:3]}, or a shape differs)")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor.to(params[name].dtype))
+    return meta
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def retrofit(args) -> dict:
+    """Load, measure, train, measure, save, export; returns the metrics (also in DST/retrofit.json)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_args(args, world_size)
+    check_attnres(args.model)
+    texts = read_corpus(args.corpus, args.pattern, args.validation_percent)
+    model, tokenizer = load_model(args.model)
+    train_windows = token_windows(tokenizer, texts["train"], args.seq_len, "training")
+    val_windows = spread(token_windows(tokenizer, texts["validation"], args.seq_len, "held-out"), args.eval_windows)
+    trained = select_trainable(model, args.train)
+    before = heldout_loss(model, val_windows)
+    trainer, history = train(model, train_windows, args, world_size)
+    if trainer.state.global_step < args.steps:          # --stop-after: interrupted, nothing to publish
+        return {"interrupted_at": trainer.state.global_step, "history": history}
+    after = heldout_loss(trainer.model, val_windows)
+    metrics = {"model": str(args.model), "train": args.train, "trained_parameters": sum(
+        p.numel() for n, p in model.named_parameters() if n in trained), "steps": args.steps,
+        "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "processes": world_size,
+        "train_windows": train_windows.shape[0], "heldout_windows": val_windows.shape[0],
+        "heldout_loss_before": before, "heldout_loss_after": after, "history": history}
+    out = args.out or args.work_dir / "final"
+    save_result(trainer, tokenizer, out, metrics)
+    if args.export_depth is not None and trainer.is_world_process_zero():
+        export_depth(out, args.export_depth, {"steps": args.steps, "heldout_loss_before": f"{before:.4f}",
+                                              "heldout_loss_after": f"{after:.4f}"})
+    return metrics
+
+
+def main(argv=None) -> int:
+    """Console entry point: `attnres-retrofit MODEL CORPUS [options]`."""
+    args = parse_args(argv)
+    try:
+        metrics = retrofit(args)
+    except RetrofitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0 and "interrupted_at" not in metrics:
+        summary = {k: v for k, v in metrics.items() if k != "history"}
+        summary["heldout_ppl_before"] = math.exp(metrics["heldout_loss_before"])
+        summary["heldout_ppl_after"] = math.exp(metrics["heldout_loss_after"])
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

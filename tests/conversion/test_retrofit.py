@@ -1,0 +1,169 @@
+"""attnres-retrofit: training the depth parameters of a zero-query model lowers held-out loss, the
+backbone stays frozen, a resumed run equals an uninterrupted one, and bad input gets a clear error.
+
+The model is the shipped `models/attnres-tiny` with its pseudo-queries zeroed and key-norm gains set
+to one: exactly what a conversion produces (uniform depth mixing), on a model whose backbone was
+trained to use depth attention, so the depth parameters have something to learn in a few steps.
+"""
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from attnres.conversion import retrofit
+from tests.helpers import tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "models" / "attnres-tiny"
+CORPUS_MODULES = ("abc", "bisect", "colorsys", "copy", "fnmatch", "functools", "glob", "heapq", "keyword",
+                  "linecache", "opcode", "operator", "queue", "shlex", "string", "textwrap")
+HELDOUT_MODULES = ("contextlib", "dataclasses")          # not in the corpus at all: an independent held-out text
+TINY = ["--pattern", "*.py", "--validation-percent", "20", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-2",
+        "--warmup", "1", "--eval-windows", "8"]
+
+
+def is_depth(name: str) -> bool:
+    return "_res_proj." in name or "_res_norm." in name
+
+
+def site_index(name: str, num_sites: int) -> int:
+    """docs/spec.md section 6: layer i's attention site is 2i, its MLP site 2i + 1, the output site last."""
+    if name.startswith("model.output_"):
+        return num_sites - 1
+    layer = int(name.split(".")[2])
+    return 2 * layer + (".mlp_res_" in name)
+
+
+@pytest.fixture(scope="module")
+def zeroed(tmp_path_factory) -> Path:
+    """The shipped model with uniform depth mixing (zero queries, unit key gains)."""
+    folder = tmp_path_factory.mktemp("zeroed")
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_proj." in name:
+                param.zero_()
+            elif "_res_norm." in name:
+                param.fill_(1.0)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(SHIPPED).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in CORPUS_MODULES:
+        shutil.copyfile(stdlib / f"{name}.py", root / f"{name}.py")
+    return root
+
+
+def reference_loss(folder: Path) -> float:
+    """transformers' own LM loss on held-out stdlib modules (not retrofit's evaluation code)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids = tok("".join((stdlib / f"{m}.py").read_text() for m in HELDOUT_MODULES), return_tensors="pt").input_ids
+    windows = ids[0, : (ids.shape[1] // 64) * 64].view(-1, 64)[:24]
+    with torch.no_grad():
+        return model(input_ids=windows, labels=windows).loss.item()
+
+
+def run(model, corpus, work, *extra):
+    args = retrofit.parse_args([str(model), str(corpus), "--work-dir", str(work), *TINY, *extra])
+    return retrofit.retrofit(args)
+
+
+@pytest.mark.timeout(240)
+def test_retrofit_lowers_heldout_loss_and_keeps_the_backbone(zeroed, corpus, tmp_path):
+    out, depth = tmp_path / "out", tmp_path / "depth.safetensors"
+    metrics = run(zeroed, corpus, tmp_path / "work", "--steps", "12", "--out", str(out), "--export-depth", str(depth))
+    before, after = reference_loss(zeroed), reference_loss(out)
+    assert after < before - 0.5, (before, after)
+    assert metrics["heldout_loss_after"] < metrics["heldout_loss_before"]
+    old, new = load_file(zeroed / "model.safetensors"), load_file(out / "model.safetensors")
+    sites = AutoConfig.from_pretrained(zeroed).depth_sites
+    assert old.keys() == new.keys()
+    for name in old:
+        moved = not torch.equal(old[name], new[name])
+        if "_res_proj." in name:          # a site that sees one source has nothing to choose: no gradient
+            assert moved == (sites[site_index(name, len(sites))].num_stored > 0), name
+        elif not is_depth(name):
+            assert not moved, f"{name} moved: the backbone must stay frozen"
+    exported = load_file(depth)
+    assert sorted(exported) == sorted(n for n in new if is_depth(n))
+    assert metrics["trained_parameters"] == sum(v.numel() for v in exported.values())
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, new[name].float(), rtol=0, atol=0)
+    # Applying the file to the zero-query model reproduces the retrofitted one.
+    fresh = AutoModelForCausalLM.from_pretrained(zeroed, dtype=torch.float32)
+    retrofit.apply_depth_parameters(fresh, depth)
+    for name, param in fresh.named_parameters():
+        torch.testing.assert_close(param.detach(), new[name], rtol=0, atol=0)
+    assert json.loads((out / "retrofit.json").read_text())["steps"] == 12
+    assert not list(tmp_path.glob(".out*"))                             # nothing left of the atomic write
+
+
+@pytest.mark.timeout(240)
+def test_resume_equals_an_uninterrupted_run(zeroed, corpus, tmp_path):
+    common = ("--steps", "6", "--save-every", "3")
+    straight = run(zeroed, corpus, tmp_path / "a", *common, "--out", str(tmp_path / "out_a"))
+    first = run(zeroed, corpus, tmp_path / "b", *common, "--stop-after", "3")
+    assert first["interrupted_at"] == 3 and not (tmp_path / "b" / "final").exists()
+    resumed = run(zeroed, corpus, tmp_path / "b", *common, "--resume", "--out", str(tmp_path / "out_b"))
+    assert resumed["history"] == straight["history"] and len(straight["history"]) == 6
+    assert resumed["heldout_loss_after"] == straight["heldout_loss_after"]
+    a, b = load_file(tmp_path / "out_a" / "model.safetensors"), load_file(tmp_path / "out_b" / "model.safetensors")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def error_of(capsys, *argv) -> str:
+    assert retrofit.main([str(a) for a in argv]) == 2
+    return capsys.readouterr().err
+
+
+def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(llama)
+    assert "holds a 'llama' model, not an AttnRes one; convert it first" in error_of(capsys, llama, corpus)
+    assert "no config.json" in error_of(capsys, tmp_path / "nowhere", corpus)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "holds no files matching *.py" in error_of(capsys, zeroed, empty, "--pattern", "*.py")
+    (empty / "blank.txt").write_text("  \n")
+    assert "is empty: every matching file is blank" in error_of(capsys, zeroed, empty)
+    assert "does not exist" in error_of(capsys, zeroed, tmp_path / "missing")
+    assert "no validation files" in error_of(capsys, zeroed, corpus, "--pattern", "*.py",
+                                              "--validation-percent", "1")
+    assert "shorter than one window of --seq-len 100000" in error_of(capsys, zeroed, corpus, "--pattern", "*.py",
+                                                                       "--validation-percent", "20",
+                                                                       "--seq-len", "100000")
+    assert "no checkpoint-* folder" in error_of(capsys, zeroed, corpus, *TINY, "--resume",
+                                                "--work-dir", tmp_path / "none")
+    assert "--batch-size 3 (the global batch) must be a multiple of the 2 processes" in str(
+        pytest.raises(retrofit.RetrofitError, retrofit.check_args, retrofit.parse_args(
+            [str(zeroed), str(corpus), "--batch-size", "3"]), 2).value)
+
+
+def test_apply_refuses_a_file_from_another_model(tmp_path):
+    model = tiny_model(num_hidden_layers=2, attn_res_block_size=1)
+    other = tiny_model(num_hidden_layers=3, attn_res_block_size=1)
+    model.save_pretrained(tmp_path / "m")
+    retrofit.export_depth(tmp_path / "m", tmp_path / "d.safetensors", {"steps": 0})
+    with safe_open(str(tmp_path / "d.safetensors"), "pt") as f:
+        assert f.metadata()["num_hidden_layers"] == "2"
+    with pytest.raises(retrofit.RetrofitError, match="different model.*num_hidden_layers: file 2 vs model 3"):
+        retrofit.apply_depth_parameters(other, tmp_path / "d.safetensors")
+    (tmp_path / "x.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
+    with pytest.raises(retrofit.RetrofitError, match="not a depth-parameter file"):
+        retrofit.apply_depth_parameters(model, tmp_path / "x.safetensors")
