@@ -174,9 +174,20 @@ def staging_dir(dst: Path) -> Path:
     return tmp
 
 
+def _umask_modes(folder: Path) -> None:
+    """Give every file the mode a plain `open()` would (transformers writes safetensors as 0600
+    temporary files), so a published checkpoint is as readable as anything else the user writes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def publish(tmp: Path, dst: Path) -> None:
     """Move the finished `tmp` to `dst`, replacing an existing `dst` (the caller checked --overwrite)."""
     dst = dst.resolve()
+    _umask_modes(tmp)
     old = None
     if dst.exists():
         old = dst.parent / f".{dst.name}.old-{os.getpid()}"

@@ -109,6 +109,8 @@ def test_cli_verifies_and_keeps_tokenizer_chat_template_and_generation_config(tm
     card = (dst / "README.md").read_text()
     assert "LlamaForCausalLM" in card and "max |logit difference|" in card and "3 layer(s) per block" in card
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+    (tmp_path / "plain.txt").write_text("x")          # the mode any file the user writes gets
+    assert {p.stat().st_mode & 0o777 for p in dst.iterdir()} == {(tmp_path / "plain.txt").stat().st_mode & 0o777}
 
 
 def test_default_block_size_and_source_counts():
