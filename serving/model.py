@@ -23,16 +23,15 @@ has no data-dependent branches.
 Pipeline parallelism is refused (the block bank would have to travel in `IntermediateTensors`).
 """
 
-import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, make_layers, maybe_prefix
@@ -42,13 +41,14 @@ from modeling_attnres.configuration_attnres import AttnResConfig
 from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank
 from modeling_attnres.depth_attention_ops import site_mix, site_push
 
-# HF checkpoint names -> this module's names. Stacked entries load q/k/v and gate/up into the fused
-# `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the regexes accept the seed
-# pseudo-code's names for the attention site (`attn_res_proj` / `attn_res_norm`).
+# The one table of checkpoint names (HF name -> this module's name). q/k/v and gate/up load into the
+# fused `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the seed pseudo-code's names
+# for the attention site (`attn_res_proj` / `attn_res_norm`) are aliases. The leading dots keep
+# `.attn_res_proj.` from matching `output_attn_res_proj`.
 HF_TO_VLLM = WeightsMapper(
-    orig_to_new_regex={
-        re.compile(r"(\.layers\.\d+)\.attn_res_proj\."): r"\1.self_attention_res_proj.",
-        re.compile(r"(\.layers\.\d+)\.attn_res_norm\."): r"\1.self_attention_res_norm.",
+    orig_to_new_substr={
+        ".attn_res_proj.": ".self_attention_res_proj.",
+        ".attn_res_norm.": ".self_attention_res_norm.",
     },
     orig_to_new_stacked={
         ".q_proj": (".qkv_proj", "q"),
@@ -58,13 +58,14 @@ HF_TO_VLLM = WeightsMapper(
         ".up_proj": (".gate_up_proj", 1),
     },
 )
-# Fused vLLM parameter -> the HF names it is loaded from (to report missing checkpoint keys).
-FUSED_SOURCES = {
-    ".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
-    ".gate_up_proj.": (".gate_proj.", ".up_proj."),
-}
-# Checkpoint entries that are not parameters here and are dropped silently.
-IGNORED_KEYS = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+
+
+def packed_modules(mapper: WeightsMapper) -> dict[str, list[str]]:
+    """Fused module -> the checkpoint modules stacked into it, from a mapper's stacked table."""
+    packed: dict[str, list[str]] = {}
+    for source, (fused, _) in mapper.orig_to_new_stacked.items():
+        packed.setdefault(fused.lstrip("."), []).append(source.lstrip("."))
+    return packed
 
 
 def check_no_pipeline_parallel(vllm_config: VllmConfig) -> None:
@@ -217,16 +218,14 @@ class AttnResForCausalLM(nn.Module):
     """AttnRes with vLLM's LM head and logits processor; loads the transformers checkpoints."""
 
     hf_to_vllm_mapper = HF_TO_VLLM
-    packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
+    packed_modules_mapping = packed_modules(HF_TO_VLLM)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         check_no_pipeline_parallel(vllm_config)
         config: AttnResConfig = vllm_config.model_config.hf_config
         self.config = config
+        self.quant_config = vllm_config.quant_config
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
                                       quant_config=vllm_config.quant_config,
@@ -254,71 +253,64 @@ class AttnResForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a transformers AttnRes checkpoint (HF names; q/k/v and gate/up fused by name mapping).
+        """Load a transformers AttnRes checkpoint through vLLM's `AutoWeightsLoader` and `HF_TO_VLLM`.
 
-        Raises `ValueError` listing every missing and unexpected checkpoint key.
+        Raises `ValueError` listing every missing and unexpected checkpoint key of this rank's
+        parameters, after reading the whole checkpoint.
         """
-        check = CheckpointKeys(self)
-        loader = AutoWeightsLoader(self)
-        loaded = loader.load_weights(check.filter(weights), mapper=self.hf_to_vllm_mapper)
-        check.raise_on_mismatch()
+        mapper = checkpoint_mapper(self)
+        params = dict(self.named_parameters(remove_duplicate=False))  # a tied lm_head included
+        renames = mapper.get_rename_mapper()                            # aliases only, no fusing
+        seen: set[str] = set()
+        unexpected: list[str] = []
+
+        def known(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                target = mapper.map_name(name)
+                if target is None:                                      # dropped by the mapper
+                    continue
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                seen.add(renames.map_name(name))
+                yield name, tensor
+
+        loaded = AutoWeightsLoader(self).load_weights(known(weights), mapper=HF_TO_VLLM)
+        missing = sorted(self.checkpoint_keys() - seen)
+        if missing or unexpected:
+            raise ValueError(
+                f"The checkpoint does not match AttnResForCausalLM ({len(params)} parameters, "
+                f"tie_word_embeddings={self.config.tie_word_embeddings}).\n"
+                f"Missing keys ({len(missing)}): {missing}\n"
+                f"Unexpected keys ({len(unexpected)}): {sorted(unexpected)}"
+            )
         return loaded
 
+    def checkpoint_keys(self) -> set[str]:
+        """The checkpoint keys (aliases resolved) this model's parameters load from; fused ones expanded.
 
-class CheckpointKeys:
-    """Tracks which checkpoint keys a model consumed, to fail with the full list of mismatches."""
-
-    def __init__(self, model: nn.Module):
-        self.params = dict(model.named_parameters())                   # tied lm_head appears once
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        self.expected = set(expected_checkpoint_keys(self.params))
-        self.seen: set[str] = set()
-        self.unexpected: list[str] = []
-
-    def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """Yield the weights this model has parameters for; record the others as unexpected."""
-        for name, tensor in weights:
-            if IGNORED_KEYS.search(name) or (self.tied and name == "lm_head.weight"):
+        A tied `lm_head` is not among them; KV-cache scales (which a checkpoint may lack) neither.
+        """
+        skip = {f"{name}." for name, module in self.named_modules()
+                if isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod)}
+        keys = set()
+        for name, _ in self.named_parameters():
+            if any(name.startswith(prefix) for prefix in skip):
                 continue
-            canonical = HF_TO_VLLM.map_name(_rename_only(name))
-            if canonical is None or canonical not in self.params:
-                self.unexpected.append(name)
-                continue
-            self.seen.add(_rename_only(name))
-            yield name, tensor
-
-    def raise_on_mismatch(self) -> None:
-        """Raise `ValueError` naming every missing and unexpected key, if any."""
-        missing = sorted(self.expected - self.seen)
-        if not missing and not self.unexpected:
-            return
-        raise ValueError(
-            "The checkpoint does not match AttnResForCausalLM "
-            f"(config: {self.describe()}).\n"
-            f"Missing keys ({len(missing)}): {missing}\n"
-            f"Unexpected keys ({len(self.unexpected)}): {sorted(self.unexpected)}"
-        )
-
-    def describe(self) -> str:
-        return f"{len(self.params)} parameters, tie_word_embeddings={self.tied}"
+            fused = next((f for f in self.packed_modules_mapping if f".{f}." in name), None)
+            sources = self.packed_modules_mapping[fused] if fused else []
+            keys.update([name.replace(f".{fused}.", f".{s}.") for s in sources] or [name])
+        return keys
 
 
-def _rename_only(name: str) -> str:
-    """Apply the alias renames (not the q/k/v stacking) to a checkpoint key."""
-    for pattern, new in HF_TO_VLLM.orig_to_new_regex.items():
-        name = pattern.sub(new, name)
-    return name
-
-
-def expected_checkpoint_keys(params: dict[str, nn.Parameter]) -> Iterable[str]:
-    """The HF checkpoint keys a set of vLLM parameter names is loaded from (fused ones expanded)."""
-    for name in params:
-        for fused, sources in FUSED_SOURCES.items():
-            if fused in name:
-                yield from (name.replace(fused, source) for source in sources)
-                break
-        else:
-            yield name
+def checkpoint_mapper(model: nn.Module) -> WeightsMapper:
+    """`HF_TO_VLLM` plus what `AutoWeightsLoader.load_weights` adds (quantization and rotary-cache
+    renames), so that a key is judged by the name the loader will give it."""
+    mapper = HF_TO_VLLM
+    quant_config = getattr(model, "quant_config", None)
+    if quant_config is not None:
+        mapper = mapper | quant_config.get_cache_scale_mapper() | quant_config.get_checkpoint_weight_mapper()
+    return mapper | AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER
 
 
 __all__ = ["AttnResForCausalLM", "AttnResModel", "AttnResDecoderLayer", "check_no_pipeline_parallel"]
