@@ -70,8 +70,9 @@ def inspect_gguf(path: Path) -> Counter:
     gguf = _gguf_module()
     try:
         reader = gguf.GGUFReader(path)
-        arch = reader.fields["general.architecture"].contents()
-    except (ValueError, KeyError, OSError) as err:
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except (ValueError, KeyError, IndexError, OSError) as err:
         raise ConversionError(f"Cannot read {path} as a GGUF file: {err}. The file is truncated or corrupt, "
                               "or not a GGUF; download or copy it again.") from err
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -104,8 +105,9 @@ def load_dequantised(path: Path):
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
                                                       quantization_config=GgufConfig(dequantize=True))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (ValueError, KeyError, OSError) as err:
-        raise ConversionError(f"transformers cannot load {path} as a GGUF model: {err}") from err
+    except (ValueError, KeyError, OSError, RuntimeError) as err:
+        raise ConversionError(f"transformers cannot load {path} as a GGUF model: {err}. Check that the file is "
+                              "complete (download it again) and that its architecture is a plain Llama.") from err
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

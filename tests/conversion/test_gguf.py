@@ -80,6 +80,16 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncate"])
+def test_corrupt_gguf_is_refused(tmp_path, damage):
+    path = write_gguf(tiny_llama(), tmp_path / "bad.gguf")
+    data = path.read_bytes()
+    path.write_bytes(b"not a gguf file" * 8 if damage == "garbage" else data[: len(data) // 3])
+    with pytest.raises(ConversionError, match=r"Cannot read .*bad\.gguf as a GGUF file: .*download or copy it again"):
+        convert(path, tmp_path / "dst")
+    assert_nothing_written(tmp_path)
+
+
 def test_folder_with_two_ggufs_and_seed_options_are_refused(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
