@@ -9,7 +9,8 @@ itself is the GGUF's, not the conversion's, and is not part of either number.
 
 transformers marks a model loaded from a GGUF as quantized, and such a model refuses
 `save_pretrained`; so the dense model is rebuilt from its config (without `quantization_config`)
-and its state dict loaded into it.
+and its state dict loaded into it. The dequantised copy is written next to DST (it needs the disk
+space of the model in float32) and removed when the conversion ends.
 """
 
 import os

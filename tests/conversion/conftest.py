@@ -8,7 +8,7 @@ import torch
 def one_torch_thread():
     """One intra-op thread while a converter test module runs, then the previous count again (other
     test directories keep theirs). The test models are tiny; with several test runs sharing two cores,
-    intra-op threads only spin and wait for each other (generate() was 50x slower with 2 threads under load)."""
+    more intra-op threads only spin and wait for each other."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
