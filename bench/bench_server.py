@@ -86,7 +86,7 @@ def transformers_baselines(model_path, args) -> dict[str, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from attnres.serving.builtin import resolve_model
+    from attnres.serving.defaults import resolve_model
     from attnres.serving.launcher import ServerProcess
 
     model_path = resolve_model(args.model)
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
 
 
 def parse_args(argv):
-    from attnres.serving.builtin import DEFAULT_MODEL
+    from attnres.serving.defaults import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)

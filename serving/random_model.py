@@ -1,12 +1,9 @@
-"""Checkpoints made in code: a character-level tokenizer with a chat template, and tiny random AttnRes
-models written in the transformers layout (what vLLM loads). Needs torch and transformers only.
+"""A tiny random AttnRes model made in code: a character-level tokenizer with a chat template and random
+weights in the transformers layout (what vLLM loads). Needs torch and transformers only.
 
-`attnres-serve` serves `DEFAULT_MODEL` when no model is given: the trained small model shipped in the
-repository (`models/attnres-tiny`, served as `attnres-tiny`). Where the package is installed without
-the repository next to it, the default falls back to `BUILTIN_TINY`: a tiny *random* model generated
-on first use into a cache directory (`$ATTNRES_CACHE_DIR`, else `$XDG_CACHE_HOME/attnres`, else
-`~/.cache/attnres`), served as `attnres-random`. The tests use the random one on purpose: its
-character tokenizer and peaked logits make exact parity checks cheap.
+`attnres-serve builtin:attnres-random` serves it (generated on first use into the cache directory, see
+`defaults.cache_dir`); the tests use it on purpose: its character tokenizer and peaked logits make
+exact parity checks cheap. It is not the server's default (see `defaults`).
 """
 
 import os
@@ -16,15 +13,8 @@ from pathlib import Path
 
 import torch
 
-BUILTIN_TINY = "builtin:attnres-random"
-# The name the built-in random model is served under (`--served-model-name`).
-BUILTIN_SERVED_NAME = "attnres-random"
-# The trained model of the repository (examples/train.py), and its served name.
-SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "attnres-tiny"
-SHIPPED_SERVED_NAME = "attnres-tiny"
-DEFAULT_MODEL = str(SHIPPED_MODEL) if (SHIPPED_MODEL / "config.json").exists() else BUILTIN_TINY
-# Bump when the built-in checkpoint's recipe changes, so that stale caches are regenerated.
-BUILTIN_VERSION = "1"
+# Bump when the checkpoint's recipe changes, so that stale caches are regenerated.
+RANDOM_MODEL_VERSION = "1"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -32,7 +22,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # vLLM's CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, ...}: 32 is the smallest.
-BUILTIN_CONFIG = dict(
+RANDOM_CONFIG = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,
@@ -67,7 +57,7 @@ def make_tokenizer():
         pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
-        model_max_length=BUILTIN_CONFIG["max_position_embeddings"],
+        model_max_length=RANDOM_CONFIG["max_position_embeddings"],
     )
 
 
@@ -86,13 +76,13 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, dtype: torch.d
                           **config_overrides) -> Path:
     """Write a random AttnRes checkpoint and the built-in tokenizer to `path`; returns the path.
 
-    `config_overrides` are `AttnResConfig` fields on top of `BUILTIN_CONFIG`; the vocabulary is the
+    `config_overrides` are `AttnResConfig` fields on top of `RANDOM_CONFIG`; the vocabulary is the
     tokenizer's.
     """
     from modeling_attnres import AttnResConfig, AttnResForCausalLM
 
     tokenizer = make_tokenizer()
-    fields = {**BUILTIN_CONFIG, "vocab_size": len(tokenizer), "pad_token_id": 0, "bos_token_id": 1,
+    fields = {**RANDOM_CONFIG, "vocab_size": len(tokenizer), "pad_token_id": 0, "bos_token_id": 1,
               "eos_token_id": 2, **config_overrides}
     torch.manual_seed(seed)
     model = AttnResForCausalLM(AttnResConfig(**fields)).to(dtype).eval()
@@ -103,22 +93,15 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, dtype: torch.d
     return path
 
 
-def cache_dir() -> Path:
-    """Where generated checkpoints live (not in the repository)."""
-    if os.environ.get("ATTNRES_CACHE_DIR"):
-        return Path(os.environ["ATTNRES_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnres"
-
-
-def ensure_builtin_model(root: str | os.PathLike | None = None) -> Path:
-    """The built-in tiny model's directory, generated on first use (atomically: temp dir, rename)."""
-    root = Path(root) if root is not None else cache_dir()
-    target = root / f"attnres-tiny-v{BUILTIN_VERSION}"
+def ensure_random_model(root: str | os.PathLike) -> Path:
+    """The random model's directory under `root` (`attnres-random-v1`), generated on first use
+    (atomically: temp dir, rename; a concurrent writer's result is kept)."""
+    root = Path(root)
+    target = root / f"attnres-random-v{RANDOM_MODEL_VERSION}"
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".attnres-tiny-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=".attnres-random-", dir=root))
     try:
         write_tiny_checkpoint(tmp, seed=0)
         os.replace(tmp, target)
@@ -130,15 +113,4 @@ def ensure_builtin_model(root: str | os.PathLike | None = None) -> Path:
     return target
 
 
-def served_name(model: str) -> str | None:
-    """The `--served-model-name` of a built-in model (`None` for any other model)."""
-    return {BUILTIN_TINY: BUILTIN_SERVED_NAME, str(SHIPPED_MODEL): SHIPPED_SERVED_NAME}.get(model)
-
-
-def resolve_model(name: str) -> str:
-    """A model argument as vLLM takes it: `BUILTIN_TINY` becomes its generated directory."""
-    return str(ensure_builtin_model()) if name == BUILTIN_TINY else name
-
-
-__all__ = ["DEFAULT_MODEL", "BUILTIN_TINY", "BUILTIN_SERVED_NAME", "SHIPPED_MODEL", "SHIPPED_SERVED_NAME", "served_name", "make_tokenizer", "write_tiny_checkpoint",
-           "ensure_builtin_model", "resolve_model", "cache_dir"]
+__all__ = ["RANDOM_CONFIG", "ensure_random_model", "make_tokenizer", "randomize_depth", "write_tiny_checkpoint"]

