@@ -1,9 +1,13 @@
 """Start a real `attnres-serve` process on a free loopback port and stop its whole process group.
 
-Used by the tests and usable by benchmarks:
+Used by the tests and the server benchmark:
 
-    with ServerProcess(["builtin:attnres-tiny", "--enforce-eager"]) as server:
+    with ServerProcess(["models/attnres-tiny", "--kv-cache-memory-bytes", "64M"]) as server:
         requests.get(server.url + "/v1/models")
+
+`stop()` sends SIGTERM to the server alone and reports whether that sufficed (`Shutdown`) before it
+falls back to SIGKILL; `rss_bytes()` sums the resident memory of the server's whole process group
+(API server, engine core, workers), which is what a soak run watches.
 """
 
 import os
@@ -15,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -75,6 +80,21 @@ class ServerProcess:
         except (urllib.error.URLError, OSError):
             return False
 
+    def rss_bytes(self) -> int:
+        """Resident memory of every live process in the server's group, summed (Linux /proc)."""
+        if self.proc is None:
+            return 0
+        total = 0
+        for pid in group_members(self.proc.pid):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:                                            # exited meanwhile
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024               # reported in kB
+        return total
+
     def _wait_healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -91,28 +111,85 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the process group, wait, then SIGKILL whatever survived (workers, trackers)."""
+    def stop(self, grace: float = 30.0, force: bool = True) -> "Shutdown | None":
+        """SIGTERM the server alone (as a service manager does) and wait up to `grace` seconds for it
+        and every process of its group to end; then, if `force`, SIGKILL whatever survived.
+
+        Returns what happened (`None` if the server was never started): `Shutdown.graceful` says
+        whether SIGTERM alone sufficed, so a test can fail on a server that needs SIGKILL.
+        """
         if self.proc is None:
-            return
-        pgid = self.proc.pid                                           # session leader: pgid == pid
-        _signal_group(pgid, signal.SIGTERM)
+            return None
+        proc, pgid = self.proc, self.proc.pid                         # session leader: pgid == pid
+        deadline = time.monotonic() + grace
+        if proc.poll() is None:
+            _signal(proc.pid, signal.SIGTERM)
         try:
-            self.proc.wait(timeout=grace)
+            returncode = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
-        _signal_group(pgid, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+            returncode = None
+        survivors = _wait_group_gone(pgid, deadline)
+        shutdown = Shutdown(returncode=returncode, survivors=survivors)
+        if force and (returncode is None or survivors):
+            _signal_group(pgid, signal.SIGKILL)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            _wait_group_gone(pgid, time.monotonic() + 10)
         self.proc = None
+        return shutdown
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """How a `ServerProcess.stop()` went, observed before any SIGKILL."""
+
+    returncode: int | None          # the server's exit status; None: still running after the grace period
+    survivors: list[int]            # pids of its process group still alive after the grace period
+
+    @property
+    def graceful(self) -> bool:
+        """SIGTERM alone sufficed: the server exited with status 0 and left no process behind."""
+        return self.returncode == 0 and not self.survivors
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`, from /proc (Linux)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:                                                # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()                 # the name may hold spaces and parens
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> list[int]:
+    """Poll until no process of the group is left or `deadline` passes; returns the survivors."""
+    while True:
+        survivors = group_members(pgid)
+        if not survivors or time.monotonic() >= deadline:
+            return survivors
+        time.sleep(0.2)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -122,4 +199,4 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-__all__ = ["ServerProcess", "free_port", "serve_command"]
+__all__ = ["ServerProcess", "Shutdown", "free_port", "group_members", "serve_command"]
