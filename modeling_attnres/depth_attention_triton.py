@@ -11,9 +11,10 @@ dtype of the bank (float32, bfloat16 or float16), of the partial and of the outp
 These are siblings of the torch functions, not a second definition: `depth_attention.mix_site`
 stays the reference (the tests hold these kernels to it and to the float64 oracle) and the only
 path under autograd and `torch.compile`. `depth_attention_ops` sends CUDA tensors here when Triton
-is installed and no gradient is recorded (`triton_applies`). Triton's own switch for running
-kernels on the CPU, `TRITON_INTERPRET=1`, sends CPU tensors here too: that is how the tests run
-these kernels without a GPU (slowly).
+is installed and no gradient is recorded (`triton_applies`); `enable_triton_kernel(False)` or the
+environment variable `ATTNRES_TRITON_KERNEL=0` keeps them on the torch path. Triton's own switch for
+running kernels on the CPU, `TRITON_INTERPRET=1`, sends CPU tensors here too: that is how the tests
+run these kernels without a GPU (slowly).
 
 Triton is imported at the first kernel call, never at import time: remote-code users without it
 (CPU machines, Apple silicon) load this file without error and run the torch path.
@@ -21,6 +22,7 @@ Triton is imported at the first kernel call, never at import time: remote-code u
 
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings until Triton reads them
 
+import functools
 import importlib.util
 import os
 from types import SimpleNamespace
@@ -51,13 +53,21 @@ def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 _AVAILABLE = importlib.util.find_spec("triton") is not None
+_enabled = os.environ.get("ATTNRES_TRITON_KERNEL", "1").lower() not in ("0", "false", "no", "off")
+
+
+def enable_triton_kernel(enabled: bool = True) -> None:
+    """Run depth attention on the Triton kernels where they apply (the default when Triton is
+    installed); `enable_triton_kernel(False)` keeps every site on the torch path."""
+    global _enabled
+    _enabled = enabled
 
 
 def triton_applies(partial: Tensor) -> bool:
-    """Whether a site mixing `partial` runs the Triton kernels: Triton is installed, the tensors
-    are on a CUDA device (or on the CPU under `TRITON_INTERPRET=1`), no gradient is being recorded
-    and torch.compile is not tracing (it fuses the torch code itself)."""
-    if torch.compiler.is_compiling() or torch.is_grad_enabled() or not _AVAILABLE:
+    """Whether a site mixing `partial` runs the Triton kernels: they are enabled and Triton is
+    installed, the tensors are on a CUDA device (or on the CPU under `TRITON_INTERPRET=1`), no
+    gradient is being recorded and torch.compile is not tracing (it fuses the torch code itself)."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or not (_enabled and _AVAILABLE):
         return False
     return partial.device.type == "cuda" or (partial.device.type == "cpu" and _interpreting())
 
@@ -168,8 +178,10 @@ def _load_kernels() -> SimpleNamespace:
                 "wheels). Without it, run the torch path: `depth_attention.mix_site` / `push_source`."
             ) from error
         tl = language
-        _kernels = SimpleNamespace(mix=triton.jit(_mix_row), mix_chunked=triton.jit(_mix_row_chunked),
-                                   push=triton.jit(_push_row), next_power_of_2=triton.next_power_of_2)
+        # One compiled variant for every number of stored sources (Triton would specialise n == 1).
+        jit = functools.partial(triton.jit, do_not_specialize=["n"])
+        _kernels = SimpleNamespace(mix=jit(_mix_row), mix_chunked=jit(_mix_row_chunked), push=jit(_push_row),
+                                   next_power_of_2=triton.next_power_of_2)
     return _kernels
 
 
@@ -239,11 +251,13 @@ def triton_mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float,
     q = query.reshape(d).contiguous()
     block_d = k.next_power_of_2(d)
     kernel, block_d = (k.mix, block_d) if block_d <= _MAX_BLOCK_D else (k.mix_chunked, _CHUNK_D)
+    # the one-pass kernel holds scores only for the weights: without them, one variant for every n
+    block_n = k.next_power_of_2(n + 1) if keep_weights or kernel is k.mix_chunked else 1
     _launch(kernel, tokens, partial.device, src, inv, part, q, q if gain is None else gain.reshape(d).contiguous(),
             out, out if weights is None else weights, n, d, eps, src.stride(0), src.stride(1), inv.stride(0),
             inv.stride(1), part.stride(0), HAS_GAIN=gain is not None, KEEP=keep_weights,
             ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32, BLOCK_D=block_d,
-            BLOCK_N=k.next_power_of_2(n + 1), num_warps=max(1, min(16, block_d // 512)))
+            BLOCK_N=block_n, num_warps=max(1, min(16, block_d // 512)))
     return out.to(dtype), weights
 
 
@@ -268,4 +282,4 @@ def triton_push_source(bank: DepthBank, partial: Tensor, eps: float) -> DepthBan
     return DepthBank(storage, inv_storage, n + 1)
 
 
-__all__ = ["triton_applies", "triton_mix_site", "triton_push_source"]
+__all__ = ["enable_triton_kernel", "triton_applies", "triton_mix_site", "triton_push_source"]
