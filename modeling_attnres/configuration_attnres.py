@@ -12,6 +12,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 ATTN_RES_MODES = ("block", "full")
+ATTN_RES_BANK_DTYPES = ("auto", "float32")
 
 
 class DepthSite(NamedTuple):
@@ -39,6 +40,11 @@ class AttnResConfig(LlamaConfig):
         running partial block. `"full"`: every sublayer output is its own source.
     attn_res_block_size (`int`, defaults to 2):
         Transformer layers per block (Block AttnRes only). Need not divide `num_hidden_layers`.
+    attn_res_bank_dtype (`str`, defaults to `"float32"`):
+        The dtype completed blocks are stored in during a forward pass. `"auto"`: the model's dtype
+        for bfloat16/float16 models (each block rounded once when stored, as Llama rounds its
+        residual stream; half the bytes per site), float32 otherwise. `"float32"`: always float32
+        (float64 for float64 models). Scores, softmax and the running partial are float32 either way.
 
     ```python
     >>> from modeling_attnres import AttnResConfig, AttnResForCausalLM
@@ -53,6 +59,7 @@ class AttnResConfig(LlamaConfig):
     qk_norm: bool = False
     attn_res_mode: str = "block"
     attn_res_block_size: int = 2
+    attn_res_bank_dtype: str = "float32"
 
     def validate_architecture(self):
         """Shapes the attention layers need; runs on construction and load."""
@@ -83,6 +90,15 @@ class AttnResConfig(LlamaConfig):
                 f"AttnResConfig.attn_res_block_size is the number of transformer layers per block and must be "
                 f">= 1, got {self.attn_res_block_size}. The paper recommends about 8 blocks: "
                 f"attn_res_block_size = ceil(num_hidden_layers / 8) = {-(-self.num_hidden_layers // 8)} here."
+            )
+
+    def validate_attn_res_bank_dtype(self):
+        """The stored-block dtype; runs on construction and load."""
+        if self.attn_res_bank_dtype not in ATTN_RES_BANK_DTYPES:
+            raise ValueError(
+                f"AttnResConfig.attn_res_bank_dtype must be one of {ATTN_RES_BANK_DTYPES}, got "
+                f"{self.attn_res_bank_dtype!r}. Use \"auto\" to store completed blocks in a bfloat16/float16 "
+                f"model's dtype, or \"float32\" to keep them in float32."
             )
 
     @property

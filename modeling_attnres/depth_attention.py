@@ -12,27 +12,49 @@ run in float32 (float64 stays float64) over the raw sources; the mix is cast to 
 
 The sources are the *stored* ones (completed blocks, kept token-major in a `DepthBank` so that both
 contractions are contiguous batched matmuls over tokens) and the running *partial* (the block being
-accumulated). Both are kept in the accumulation dtype: for bfloat16 models this spares a conversion
-of the whole bank at every site, and the partial sums are exact to float32 rather than rounded to
-bfloat16 after every sublayer. Callers keep bank and partial as locals of `forward`, never on a
-module or in the KV cache: depth attention only ever mixes vectors of one token position.
+accumulated, always in the accumulation dtype: its sums are exact to float32 rather than rounded
+after every sublayer). A stored source is kept in the bank's dtype (`bank_dtype`): for bfloat16 and
+float16 models by default the model's own dtype, each source rounded once when it is stored, as
+Llama rounds its residual stream, which halves the bytes every later site reads.
+
+The bank is a buffer for all the sources of the forward pass, allocated once (`empty_bank` with a
+capacity) and filled in place, so that storing a block does not copy the ones before it. Under
+autograd it grows by concatenation instead: an in-place write would invalidate the views that
+earlier sites saved for the backward pass. Callers keep the bank and the partial as locals of
+`forward`, never on a module or in the KV cache: depth attention only mixes one token's vectors.
 
 `mix_site` is one pass per site with no branch on shapes or values, so it traces the same way under
 torch.compile for every site, the first one (no stored source) included. This module imports torch
 only: the transformers model, the vLLM model and the converters all run this code.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 _ACC_DTYPES = (torch.float32, torch.float64)
+BANK_DTYPES = ("auto", "float32")
 
 
 def acc(x: Tensor) -> Tensor:
     """`x` in the accumulation dtype: float32, or float64 for float64 inputs (no-op when already)."""
     return x if x.dtype in _ACC_DTYPES else x.float()
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype for inputs of `dtype`: float64 stays float64, all else is float32."""
+    return dtype if dtype in _ACC_DTYPES else torch.float32
+
+
+def bank_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype stored sources are kept in (`AttnResConfig.attn_res_bank_dtype`): `"auto"` is the
+    model's dtype for bfloat16/float16 models and the accumulation dtype otherwise; `"float32"` is
+    always the accumulation dtype (float64 for float64 models)."""
+    if choice not in BANK_DTYPES:
+        raise ValueError(f"bank dtype must be one of {BANK_DTYPES}, got {choice!r}.")
+    low_precision = model_dtype in (torch.bfloat16, torch.float16)
+    return model_dtype if choice == "auto" and low_precision else acc_dtype(model_dtype)
 
 
 def fold_queries(proj_weights: Tensor, norm_weights: Tensor) -> Tensor:
@@ -48,29 +70,52 @@ def inverse_rms(x: Tensor, eps: float) -> Tensor:
 
 
 class DepthBank(NamedTuple):
-    """The stored sources of one forward pass, token-major: `sources [*tokens, n, d]` and their
-    `inv_rms [*tokens, n]`, both in the accumulation dtype."""
+    """The stored sources of one forward pass, token-major: the first `num_stored` rows of `storage
+    [*tokens, capacity, d]` (the bank's dtype) and of `inv_storage [*tokens, capacity]` (their inverse
+    RMS, accumulation dtype). Rows past `num_stored` are not yet written."""
 
-    sources: Tensor
-    inv_rms: Tensor
+    storage: Tensor
+    inv_storage: Tensor
+    num_stored: int = 0
+
+    @property
+    def sources(self) -> Tensor:
+        """The stored sources `[*tokens, n, d]` (a view)."""
+        return self.storage[..., : self.num_stored, :]
+
+    @property
+    def inv_rms(self) -> Tensor:
+        """Their inverse RMS `[*tokens, n]` (a view)."""
+        return self.inv_storage[..., : self.num_stored]
 
 
-def empty_bank(partial: Tensor) -> DepthBank:
-    """A bank with no stored source yet, for a partial `[*tokens, d]`."""
-    partial = acc(partial)
-    return DepthBank(partial.new_empty(*partial.shape[:-1], 0, partial.shape[-1]),
-                     partial.new_empty(*partial.shape[:-1], 0))
+def empty_bank(partial: Tensor, capacity: int = 0, dtype: torch.dtype | None = None) -> DepthBank:
+    """A bank with no stored source yet for `[*tokens, d]` inputs, room for `capacity` sources (see
+    `AttnResConfig.num_depth_sources`) and sources kept in `dtype` (default: the accumulation dtype).
+    With autograd recording, the room is not used: the bank grows by concatenation."""
+    dtype = dtype or acc_dtype(partial.dtype)
+    capacity = 0 if torch.is_grad_enabled() else capacity
+    tokens, d = partial.shape[:-1], partial.shape[-1]
+    return DepthBank(partial.new_empty(*tokens, capacity, d, dtype=dtype),
+                     partial.new_empty(*tokens, capacity, dtype=acc_dtype(partial.dtype)))
 
 
 def push_source(bank: DepthBank, partial: Tensor, eps: float) -> DepthBank:
-    """Store the partial as a completed source (normalising it once): n -> n + 1."""
-    partial = acc(partial)
-    return DepthBank(torch.cat([bank.sources, partial.unsqueeze(-2)], dim=-2),
-                     torch.cat([bank.inv_rms, inverse_rms(partial, eps).unsqueeze(-1)], dim=-1))
+    """Store the partial as a completed source (rounded to the bank's dtype, then normalised once):
+    n -> n + 1, in place while the bank has room, by concatenation otherwise."""
+    source = partial.to(bank.storage.dtype)
+    inv = inverse_rms(source, eps).to(bank.inv_storage.dtype)
+    n = bank.num_stored
+    if n < bank.storage.shape[-2]:
+        bank.storage[..., n, :] = source
+        bank.inv_storage[..., n] = inv
+        return DepthBank(bank.storage, bank.inv_storage, n + 1)
+    return DepthBank(torch.cat([bank.sources, source.unsqueeze(-2)], dim=-2),
+                     torch.cat([bank.inv_rms, inv.unsqueeze(-1)], dim=-1), n + 1)
 
 
 def push_block(bank: DepthBank, partial: Tensor, closes_block: bool,
-               eps: float) -> tuple[DepthBank, Optional[Tensor]]:
+               eps: float) -> tuple[DepthBank, Tensor | None]:
     """After a site that closes a block, the partial becomes a stored source and a new partial starts
     empty (`None`); otherwise both pass through. `closes_block` is fixed per site at construction."""
     if not closes_block:
@@ -79,7 +124,7 @@ def push_block(bank: DepthBank, partial: Tensor, closes_block: bool,
 
 
 def mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype: torch.dtype,
-             keep_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+             keep_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """Mix one site over the stored sources and the partial `[*tokens, d]`.
 
     `query [d]` is the site's folded query. Returns the mix `[*tokens, d]` in `dtype` and, if
@@ -87,7 +132,8 @@ def mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype:
     source the weight is exactly 1; computing it anyway keeps the query in the autograd graph (a
     zero gradient rather than none, which DDP without `find_unused_parameters` needs).
     """
-    p, src = acc(partial), bank.sources
+    p = acc(partial)
+    src = bank.sources if bank.storage.dtype == p.dtype else bank.sources.to(p.dtype)  # fused when compiled
     q = query if query.dtype == p.dtype else query.to(p.dtype)
     stored_scores = (src @ q) * bank.inv_rms                                   # [*tokens, n]
     partial_score = (p @ q) * inverse_rms(p, eps)                              # [*tokens]
@@ -97,6 +143,6 @@ def mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype:
     return mixed.to(dtype), (weights if keep_weights else None)
 
 
-def add_to_partial(partial: Optional[Tensor], output: Tensor) -> Tensor:
+def add_to_partial(partial: Tensor | None, output: Tensor) -> Tensor:
     """Accumulate a sublayer output into the running partial (`None` right after a block closed)."""
     return acc(output) if partial is None else partial + output

@@ -1,56 +1,59 @@
-"""A fused C++ CPU kernel for `depth_attention.mix_site`, for eager inference (opt-in).
+"""A fused C++ CPU kernel for `depth_attention.mix_site` and `push_source`, for inference (opt-in).
 
-In eager PyTorch a depth-attention site is about twenty small tensor operations. At one decoded
-token each costs a few microseconds of dispatch whatever its size, about 0.1 ms a site and 33 sites
-a token at 16 layers: several percent of a decoding step that Llama does not pay. This kernel does
-a site in one call (scores, softmax and the weighted sum in one pass over each token's bank row),
-and stores a completed block (`push_source`) in another.
+In eager PyTorch a depth-attention site is about twenty small tensor operations, each paying
+dispatch overhead whatever its size; at one decoded token that overhead is most of the site's cost,
+and Llama does not pay it (README, "Performance"). This kernel does a site in one call (scores,
+softmax and the weighted sum in one pass over each token's bank row, reading a bfloat16/float16 bank
+as float32), and stores a completed block in place (`push_source`) in another.
 
-It is a sibling backend of the torch function, not a second definition: `depth_attention.mix_site`
+It is a sibling backend of the torch functions, not a second definition: `depth_attention.mix_site`
 stays the reference (the tests hold this kernel to it and to the float64 oracle) and the only path
-under autograd, `torch.compile` (which fuses the torch code itself) and on other devices. The
-kernel is built from the source below with `torch.utils.cpp_extension.load_inline` the first time
-it is enabled (a C++ compiler and ninja are needed; about 35 s on 2 cores, then cached in torch's
-extensions directory). It stays off unless asked for: `enable_cpu_kernel()`, or the environment
-variable `ATTNRES_CPU_KERNEL=1` (built at the first forward that uses it).
+under autograd and on other devices. Under torch.compile the mix runs as the custom op
+`attnres::mix_site` (with a fake implementation for tracing), so compiled graphs call the kernel
+instead of generated code. The kernel is built from the source below with
+`torch.utils.cpp_extension.load_inline` the first time it is enabled (a C++ compiler and ninja are
+needed; then cached in torch's extensions directory). It stays off unless asked for:
+`enable_cpu_kernel()`, or the environment variable `ATTNRES_CPU_KERNEL=1` (built at first use).
 """
 
 import hashlib
 import os
 import platform
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .depth_attention import DepthBank, acc
+from .depth_attention import DepthBank, acc, push_source
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
-// One token: scores of the n stored rows and the partial, softmax, weighted sum. The row of a
-// token (n x d) is read for the scores and again, still cached, for the sum.
-template <typename acc_t, typename out_t>
-static void mix_token(const acc_t* S, const acc_t* inv, const acc_t* p, const acc_t* q, int64_t n,
+// One token: scores of the n stored rows (row stride d, any floating src_t, read as acc_t) and the
+// partial, softmax, weighted sum. The row of a token is read for the scores and again, still
+// cached, for the sum.
+template <typename acc_t, typename src_t, typename out_t>
+static void mix_token(const src_t* S, const acc_t* inv, const acc_t* p, const acc_t* q, int64_t n,
                       int64_t d, acc_t eps, acc_t* w, out_t* out, acc_t* weights_out) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {  // four independent reductions per pass, one load of q
-    const acc_t *r0 = S + i * d, *r1 = r0 + d, *r2 = r1 + d, *r3 = r2 + d;
+    const src_t *r0 = S + i * d, *r1 = r0 + d, *r2 = r1 + d, *r3 = r2 + d;
     acc_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
     for (int64_t j = 0; j < d; ++j) {
-      s0 += r0[j] * q[j]; s1 += r1[j] * q[j]; s2 += r2[j] * q[j]; s3 += r3[j] * q[j];
+      s0 += static_cast<acc_t>(r0[j]) * q[j]; s1 += static_cast<acc_t>(r1[j]) * q[j];
+      s2 += static_cast<acc_t>(r2[j]) * q[j]; s3 += static_cast<acc_t>(r3[j]) * q[j];
     }
     w[i] = s0; w[i + 1] = s1; w[i + 2] = s2; w[i + 3] = s3;
   }
   for (; i < n; ++i) {
-    const acc_t* r0 = S + i * d;
+    const src_t* r0 = S + i * d;
     acc_t s0 = 0;
 #pragma omp simd reduction(+ : s0)
-    for (int64_t j = 0; j < d; ++j) s0 += r0[j] * q[j];
+    for (int64_t j = 0; j < d; ++j) s0 += static_cast<acc_t>(r0[j]) * q[j];
     w[i] = s0;
   }
   acc_t sp = 0, ss = 0;
@@ -71,10 +74,10 @@ static void mix_token(const acc_t* S, const acc_t* inv, const acc_t* p, const ac
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) buf[j] = wp * p[j0 + j];
     for (i = 0; i < n; ++i) {
-      const acc_t* row = S + i * d + j0;
+      const src_t* row = S + i * d + j0;
       const acc_t wi = w[i];
 #pragma omp simd
-      for (int64_t j = 0; j < len; ++j) buf[j] += wi * row[j];
+      for (int64_t j = 0; j < len; ++j) buf[j] += wi * static_cast<acc_t>(row[j]);
     }
     for (int64_t j = 0; j < len; ++j) out[j0 + j] = static_cast<out_t>(buf[j]);
   }
@@ -94,89 +97,110 @@ static void read_as(const at::Tensor& x, acc_t* out, bool multiply) {
   });
 }
 
-// `query` is the folded query, or the raw pseudo-query when the key-norm `gain` is given (folded
-// here as `fold_queries` does, both factors in the accumulation dtype: in eager Python the fold
-// costs more than the rest of the site).
-std::vector<at::Tensor> mix_site(const at::Tensor& sources, const at::Tensor& inv_rms,
+// The checks both entry points share: CPU tensors, `storage [N, C, d]` contiguous in float32, float64,
+// bfloat16 or float16 (float64 only with a float64 partial), `inv_storage [N, C]` and the partial
+// [N, d] in the accumulation dtype, `n <= C` rows written.
+static void check_bank(const char* name, const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
+                       const at::Tensor& partial) {
+  const int64_t d = partial.size(-1), N = partial.numel() / std::max<int64_t>(d, 1);
+  const int64_t C = storage.dim() >= 2 ? storage.size(-2) : -1;
+  TORCH_CHECK(partial.device().is_cpu() && storage.device().is_cpu() && inv_storage.device().is_cpu(),
+              name, ": CPU tensors expected");
+  const auto acc = partial.scalar_type();
+  TORCH_CHECK((acc == at::kFloat || acc == at::kDouble) && inv_storage.scalar_type() == acc, name,
+              ": the partial and inv_rms must be float32 or float64, got ", acc, " and ", inv_storage.scalar_type());
+  TORCH_CHECK(storage.scalar_type() == acc || (acc == at::kFloat && (storage.scalar_type() == at::kBFloat16 ||
+              storage.scalar_type() == at::kHalf)), name, ": a ", storage.scalar_type(), " bank with a ", acc,
+              " partial (expected the same dtype, or a bfloat16/float16 bank with a float32 partial)");
+  TORCH_CHECK(storage.is_contiguous() && inv_storage.is_contiguous(), name, ": the bank must be contiguous");
+  TORCH_CHECK(0 <= n && n <= C && storage.numel() == N * C * d && inv_storage.numel() == N * C, name, ": bank ",
+              storage.sizes(), " / ", inv_storage.sizes(), " with ", n, " stored does not match partial ",
+              partial.sizes());
+}
+
+// `storage` holds the bank (rows [0, n) written); `query` is the folded query, or the raw pseudo-query
+// when the key-norm `gain` is given (folded here as `fold_queries` does, both factors in the
+// accumulation dtype: in eager Python the fold costs more than the rest of the site).
+std::vector<at::Tensor> mix_site(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
                                  const at::Tensor& partial, const at::Tensor& query,
                                  const c10::optional<at::Tensor>& gain, double eps, at::ScalarType dtype,
                                  bool keep_weights) {
-  const int64_t d = partial.size(-1), n = sources.size(-2), N = partial.numel() / std::max<int64_t>(d, 1);
-  TORCH_CHECK(partial.device().is_cpu() && sources.device().is_cpu() && inv_rms.device().is_cpu() &&
-              query.device().is_cpu() && (!gain.has_value() || gain->device().is_cpu()),
+  check_bank("mix_site", storage, inv_storage, n, partial);
+  const int64_t d = partial.size(-1), N = partial.numel() / std::max<int64_t>(d, 1), C = storage.size(-2);
+  TORCH_CHECK(query.device().is_cpu() && (!gain.has_value() || gain->device().is_cpu()),
               "mix_site: CPU tensors expected");
-  TORCH_CHECK(sources.scalar_type() == partial.scalar_type() && inv_rms.scalar_type() == partial.scalar_type(),
-              "mix_site: bank and partial dtypes differ");
-  TORCH_CHECK(sources.numel() == N * n * d && inv_rms.numel() == N * n && query.numel() == d &&
-              (!gain.has_value() || gain->numel() == d),
-              "mix_site: bank ", sources.sizes(), " / ", inv_rms.sizes(), " does not match partial ",
-              partial.sizes(), " and query ", query.sizes());
-  auto S = sources.contiguous(), inv = inv_rms.contiguous(), p = partial.contiguous();
+  TORCH_CHECK(query.numel() == d && (!gain.has_value() || gain->numel() == d), "mix_site: query ", query.sizes(),
+              " does not match partial ", partial.sizes());
+  auto p = partial.contiguous();
   auto out = at::empty(partial.sizes(), partial.options().dtype(dtype));
   auto weight_sizes = partial.sizes().vec();
   weight_sizes.back() = n + 1;
-  at::Tensor weights = keep_weights ? at::empty(weight_sizes, partial.options()) : at::Tensor();
+  at::Tensor weights = at::empty(keep_weights ? weight_sizes : std::vector<int64_t>{0}, partial.options());
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "mix_site_acc", [&] {
     using acc_t = scalar_t;
     std::vector<acc_t> q(d);
     read_as<acc_t>(query, q.data(), false);
     if (gain.has_value()) read_as<acc_t>(*gain, q.data(), true);
-    const acc_t *S_ = S.data_ptr<acc_t>(), *inv_ = inv.data_ptr<acc_t>(), *p_ = p.data_ptr<acc_t>(), *q_ = q.data();
+    const acc_t *inv_ = inv_storage.data_ptr<acc_t>(), *p_ = p.data_ptr<acc_t>(), *q_ = q.data();
     acc_t* w_out = keep_weights ? weights.data_ptr<acc_t>() : nullptr;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "mix_site_out", [&] {
-      scalar_t* o_ = out.data_ptr<scalar_t>();
-      at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-        std::vector<acc_t> w(n + 1);
-        for (int64_t t = begin; t < end; ++t) {
-          mix_token<acc_t, scalar_t>(S_ + t * n * d, inv_ + t * n, p_ + t * d, q_, n, d, (acc_t)eps, w.data(),
-                                     o_ + t * d, w_out ? w_out + t * (n + 1) : nullptr);
-        }
-      });
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, storage.scalar_type(), "mix_site_src", [&] {
+      using src_t = scalar_t;
+      if constexpr (std::is_same_v<acc_t, double> != std::is_same_v<src_t, double>) {
+        TORCH_CHECK(false, "mix_site: unsupported bank dtype");  // refused by check_bank already
+      } else {
+        const src_t* S_ = storage.data_ptr<src_t>();
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "mix_site_out", [&] {
+          scalar_t* o_ = out.data_ptr<scalar_t>();
+          at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+            std::vector<acc_t> w(n + 1);
+            for (int64_t t = begin; t < end; ++t) {
+              mix_token<acc_t, src_t, scalar_t>(S_ + t * C * d, inv_ + t * C, p_ + t * d, q_, n, d, (acc_t)eps,
+                                                w.data(), o_ + t * d, w_out ? w_out + t * (n + 1) : nullptr);
+            }
+          });
+        });
+      }
     });
   });
   return {out, weights};
 }
 
-// One token of `push_source`: its n stored rows and the partial copied into the new row, inverse RMS.
-template <typename scalar_t>
-static void push_token(const scalar_t* S, const scalar_t* inv, const scalar_t* p, int64_t n, int64_t d,
-                       scalar_t eps, scalar_t* S_out, scalar_t* inv_out) {
-  std::copy(S, S + n * d, S_out);
-  std::copy(p, p + d, S_out + n * d);
-  std::copy(inv, inv + n, inv_out);
-  scalar_t ss = 0;
+// One token of `push_source`: the partial rounded into row n, the inverse RMS of the rounded row.
+template <typename acc_t, typename src_t>
+static void push_token(const acc_t* p, int64_t d, acc_t eps, src_t* row, acc_t* inv) {
+  acc_t ss = 0;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t j = 0; j < d; ++j) ss += p[j] * p[j];
-  inv_out[n] = 1 / std::sqrt(ss / d + eps);
+  for (int64_t j = 0; j < d; ++j) {
+    row[j] = static_cast<src_t>(p[j]);
+    const acc_t r = static_cast<acc_t>(row[j]);
+    ss += r * r;
+  }
+  *inv = 1 / std::sqrt(ss / d + eps);
 }
 
-// `depth_attention.push_source`: the bank with the partial appended as a stored source (n -> n + 1)
-// and its inverse RMS, written into new tensors in one pass instead of two `cat`s and a norm.
-std::vector<at::Tensor> push_source(const at::Tensor& sources, const at::Tensor& inv_rms,
-                                    const at::Tensor& partial, double eps) {
-  const int64_t d = partial.size(-1), n = sources.size(-2), N = partial.numel() / std::max<int64_t>(d, 1);
-  TORCH_CHECK(partial.device().is_cpu() && sources.device().is_cpu() && inv_rms.device().is_cpu(),
-              "push_source: CPU tensors expected");
-  TORCH_CHECK(sources.scalar_type() == partial.scalar_type() && inv_rms.scalar_type() == partial.scalar_type(),
-              "push_source: bank and partial dtypes differ");
-  TORCH_CHECK(sources.numel() == N * n * d && inv_rms.numel() == N * n, "push_source: bank ", sources.sizes(),
-              " / ", inv_rms.sizes(), " does not match partial ", partial.sizes());
-  auto S = sources.contiguous(), inv = inv_rms.contiguous(), p = partial.contiguous();
-  auto bank_sizes = sources.sizes().vec(), inv_sizes = inv_rms.sizes().vec();
-  bank_sizes[bank_sizes.size() - 2] = n + 1;
-  inv_sizes.back() = n + 1;
-  auto new_sources = at::empty(bank_sizes, p.options()), new_inv = at::empty(inv_sizes, p.options());
-  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "push_source", [&] {
-    const scalar_t *S_ = S.data_ptr<scalar_t>(), *inv_ = inv.data_ptr<scalar_t>(), *p_ = p.data_ptr<scalar_t>();
-    scalar_t *S2 = new_sources.data_ptr<scalar_t>(), *inv2 = new_inv.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        push_token<scalar_t>(S_ + t * n * d, inv_ + t * n, p_ + t * d, n, d, static_cast<scalar_t>(eps),
-                             S2 + t * (n + 1) * d, inv2 + t * (n + 1));
+// `depth_attention.push_source` in place: row n of the bank (n < C) becomes the partial, in one pass
+// instead of a cast, a norm and two writes.
+void push_source(at::Tensor& storage, at::Tensor& inv_storage, int64_t n, const at::Tensor& partial, double eps) {
+  check_bank("push_source", storage, inv_storage, n + 1, partial);
+  const int64_t d = partial.size(-1), N = partial.numel() / std::max<int64_t>(d, 1), C = storage.size(-2);
+  auto p = partial.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "push_source_acc", [&] {
+    using acc_t = scalar_t;
+    const acc_t* p_ = p.data_ptr<acc_t>();
+    acc_t* inv_ = inv_storage.data_ptr<acc_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, storage.scalar_type(), "push_source_src", [&] {
+      if constexpr (std::is_same_v<acc_t, double> != std::is_same_v<scalar_t, double>) {
+        TORCH_CHECK(false, "push_source: unsupported bank dtype");
+      } else {
+        scalar_t* S_ = storage.data_ptr<scalar_t>();
+        at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            push_token<acc_t, scalar_t>(p_ + t * d, d, static_cast<acc_t>(eps), S_ + (t * C + n) * d, inv_ + t * C + n);
+          }
+        });
       }
     });
   });
-  return {new_sources, new_inv};
 }
 """
 
@@ -225,7 +249,7 @@ def _build():
 
 
 def enable_cpu_kernel(enabled: bool = True) -> None:
-    """Use the fused CPU kernel for depth attention in eager inference (builds it now if needed);
+    """Use the fused CPU kernel for depth attention in inference (builds it now if needed);
     `enable_cpu_kernel(False)` goes back to the torch path."""
     global _enabled
     if enabled:
@@ -235,21 +259,44 @@ def enable_cpu_kernel(enabled: bool = True) -> None:
 
 def cpu_kernel_applies(partial: Tensor) -> bool:
     """Whether a site mixing `partial` runs the fused kernel: it is enabled, the tensors are on the
-    CPU, no gradient is being recorded and torch.compile is not tracing."""
-    return (_enabled and partial.device.type == "cpu" and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    CPU and no gradient is being recorded. Under torch.compile it runs as the custom op
+    `attnres::mix_site`, an opaque call in the compiled graph."""
+    return _enabled and partial.device.type == "cpu" and not torch.is_grad_enabled()
+
+
+def _mix_site_impl(storage: Tensor, inv_storage: Tensor, num_stored: int, partial: Tensor, query: Tensor,
+                   gain: Tensor | None, eps: float, dtype: torch.dtype, keep_weights: bool) -> list[Tensor]:
+    return _build().mix_site(storage, inv_storage, num_stored, partial, query, gain, eps, dtype, keep_weights)
+
+
+def _mix_site_fake(storage: Tensor, inv_storage: Tensor, num_stored: int, partial: Tensor, query: Tensor,
+                   gain: Tensor | None, eps: float, dtype: torch.dtype, keep_weights: bool) -> list[Tensor]:
+    weights_shape = (*partial.shape[:-1], num_stored + 1) if keep_weights else (0,)
+    return [partial.new_empty(partial.shape, dtype=dtype), partial.new_empty(weights_shape)]
+
+
+# Registered once per process: the package and a Hub copy of this file may both be imported.
+if not hasattr(torch.ops.attnres, "mix_site"):
+    torch.library.custom_op("attnres::mix_site", _mix_site_impl, mutates_args=())
+    torch.library.register_fake("attnres::mix_site", _mix_site_fake)
 
 
 def fused_push_source(bank: DepthBank, partial: Tensor, eps: float) -> DepthBank:
-    """`depth_attention.push_source` in one C++ call. Forward only: call it where `cpu_kernel_applies`."""
-    return DepthBank(*_build().push_source(bank.sources, bank.inv_rms, acc(partial), eps))
+    """`depth_attention.push_source` in one C++ call, in place (a bank with no room left grows by
+    concatenation as in the torch function). Forward only: call it where `cpu_kernel_applies`."""
+    if bank.num_stored >= bank.storage.shape[-2] or torch.compiler.is_compiling():   # compiled: fused by Inductor
+        return push_source(bank, partial, eps)
+    _build().push_source(bank.storage, bank.inv_storage, bank.num_stored, acc(partial), eps)
+    return DepthBank(bank.storage, bank.inv_storage, bank.num_stored + 1)
 
 
 def fused_mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype: torch.dtype,
-                   keep_weights: bool = False, gain: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+                   keep_weights: bool = False, gain: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """`depth_attention.mix_site` (same arguments, same results up to float rounding) in one C++
     call. With `gain` (the site's key-norm weight), `query` is the raw pseudo-query and the two are
     folded in C++, as `fold_queries` would. Forward only: call it where `cpu_kernel_applies`."""
-    mixed, weights = _build().mix_site(bank.sources, bank.inv_rms, acc(partial), query, gain, eps, dtype,
-                                       keep_weights)
+    args = (bank.storage, bank.inv_storage, bank.num_stored, acc(partial), query, gain, eps, dtype, keep_weights)
+    # Eager calls the extension directly (the op's dispatch costs about as much as a small site).
+    run = torch.ops.attnres.mix_site if torch.compiler.is_compiling() else _mix_site_impl
+    mixed, weights = run(*args)
     return mixed, (weights if keep_weights else None)

@@ -14,8 +14,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .depth_attention import DepthBank, fold_queries, mix_site, push_block
+from .depth_attention import DepthBank, bank_dtype, empty_bank, fold_queries, mix_site, push_block
 from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site, fused_push_source
+
+
+def site_bank(embeds: Tensor, config) -> DepthBank:
+    """The empty bank of a forward pass over `embeds [*tokens, d]` (in the model's dtype): room for
+    every source `config.depth_sites` stores, kept in the dtype `config.attn_res_bank_dtype` names."""
+    dtype = bank_dtype(getattr(config, "attn_res_bank_dtype", "float32"), embeds.dtype)
+    return empty_bank(embeds, config.depth_sites[-1].num_stored, dtype)
 
 
 def site_mix(bank: DepthBank, partial: Tensor, proj_weight: Tensor, norm_weight: Tensor, eps: float,
@@ -40,4 +47,4 @@ def site_push(bank: DepthBank, partial: Tensor, closes_block: bool,
     return push_block(bank, partial, closes_block, eps)
 
 
-__all__ = ["site_mix", "site_push"]
+__all__ = ["site_bank", "site_mix", "site_push"]

@@ -37,8 +37,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_attention import DepthBank, add_to_partial, empty_bank
-from .depth_attention_ops import site_mix, site_push
+from .depth_attention import DepthBank, add_to_partial
+from .depth_attention_ops import site_bank, site_mix, site_push
 
 
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py",
@@ -300,7 +300,7 @@ class AttnResModel(AttnResPreTrainedModel):
                                     else self.config.output_hidden_states)
         output_depth_attentions = bool(output_depth_attentions)
 
-        bank = empty_bank(inputs_embeds)                             # [batch, seq, 0, d]
+        bank = site_bank(inputs_embeds, self.config)                 # [batch, seq, capacity, d]
         partial = add_to_partial(None, inputs_embeds)                  # the embedding: block 0
         all_hidden_states = [inputs_embeds] if output_hidden_states else None
         depth_attentions = [] if output_depth_attentions else None

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank, fold_queries, mix_site, push_source
+from modeling_attnres.depth_attention import (
+    DepthBank,
+    add_to_partial,
+    bank_dtype,
+    empty_bank,
+    fold_queries,
+    mix_site,
+    push_source,
+)
+from modeling_attnres.depth_attention_ops import site_bank
 from tests.oracle import naive_mix
 
 EPS = 1e-6
@@ -119,3 +128,67 @@ def test_bf16_sources_are_stored_and_accumulated_in_float32():
     partial = add_to_partial(add_to_partial(None, x), x)
     assert partial.dtype == torch.float32
     torch.testing.assert_close(partial, 2 * x.float())
+
+
+def test_a_preallocated_bank_fills_in_place_and_equals_the_grown_bank():
+    sources, w, gain = random_case(5, tokens=(2, 3))
+    query = fold_queries(w[None], gain[None])[0]
+    with torch.no_grad():
+        grown, filled = empty_bank(sources[0]), empty_bank(sources[0], capacity=4)
+        storage = filled.storage
+        for source in sources[:4]:
+            grown, filled = push_source(grown, source, EPS), push_source(filled, source, EPS)
+            assert filled.storage is storage                                   # no copy of earlier blocks
+            assert torch.equal(filled.sources, grown.sources) and torch.equal(filled.inv_rms, grown.inv_rms)
+        full = push_source(filled, sources[4], EPS)                             # past the capacity: grows
+        assert full.num_stored == 5 and torch.equal(full.sources, sources.movedim(0, -2))
+        expected, _ = naive_mix(list(sources), w, gain, EPS)
+        torch.testing.assert_close(mix(filled, sources[4], query)[0], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_under_autograd_the_bank_grows_by_concatenation():
+    x = torch.randn(2, 16)
+    assert empty_bank(x, capacity=4).storage.shape == (2, 0, 16)   # in-place writes would break backward
+    with torch.no_grad():
+        assert empty_bank(x, capacity=4).storage.shape == (2, 4, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_bank_rounds_each_source_once_and_mixes_in_float32(dtype):
+    """Against the oracle on the rounded sources (the partial stays float32): only float32 rounding
+    is left, so the mix agrees to float32 precision before its final cast."""
+    sources, w, gain = random_case(4, tokens=(3, 5))
+    query = fold_queries(w[None].float(), gain[None].float())[0]
+    with torch.no_grad():
+        stored = empty_bank(sources[0].float(), capacity=3, dtype=dtype)
+        for source in sources[:3]:
+            stored = push_source(stored, source.float(), EPS)
+        assert stored.sources.dtype == dtype and stored.inv_rms.dtype == torch.float32
+        out, weights = mix_site(stored, sources[3].float(), query, EPS, torch.float32, keep_weights=True)
+    rounded = [s.to(dtype).double() for s in sources[:3]] + [sources[3].float().double()]
+    expected, probs = naive_mix(rounded, query.double(), torch.ones(16, dtype=torch.float64), EPS)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights.double(), probs.movedim(0, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_bank_dtype_choice():
+    expected = {("auto", torch.bfloat16): torch.bfloat16, ("auto", torch.float16): torch.float16,
+                ("auto", torch.float32): torch.float32, ("auto", torch.float64): torch.float64,
+                ("float32", torch.bfloat16): torch.float32, ("float32", torch.float64): torch.float64}
+    for (choice, model_dtype), dtype in expected.items():
+        assert bank_dtype(choice, model_dtype) == dtype, (choice, model_dtype)
+    with pytest.raises(ValueError, match="'bfloat16'"):
+        bank_dtype("bfloat16", torch.bfloat16)
+
+
+def test_site_bank_has_room_for_every_source_of_the_schedule():
+    from modeling_attnres import AttnResConfig
+
+    config = AttnResConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=5, num_attention_heads=2,
+                           attn_res_block_size=2, attn_res_bank_dtype="auto")
+    embeds = torch.zeros(2, 3, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        bank = site_bank(embeds, config)
+    stored = sum(site.closes_block for site in config.depth_sites)             # independent of num_stored
+    assert bank.storage.shape == (2, 3, stored, 16) and bank.storage.dtype == torch.bfloat16
+    assert bank.inv_storage.dtype == torch.float32 and bank.num_stored == 0
