@@ -1,0 +1,134 @@
+"""Int8 weight-and-activation (W8A8) quantization of an AttnRes checkpoint, in the compressed-tensors format.
+
+Round-to-nearest, no calibration data: every q/k/v/o/gate/up/down projection gets a symmetric
+per-output-channel int8 weight (`weight` int8 `[out, in]`, `weight_scale` float32 `[out, 1]`,
+scale = max|row| / 127), and the `quantization_config` asks for dynamic symmetric per-token int8
+activations, which vLLM computes at run time. That is the `int-quantized` format that
+`llm-compressor`'s W8A8 recipe writes and vLLM's `CompressedTensorsW8A8Int8` scheme loads (oneDNN
+int8 GEMM on CPUs, CUTLASS on GPUs). `llm-compressor` itself does not fit this environment (0.14 pins
+`transformers<=5.17` and `compressed-tensors==0.19`), so the arithmetic is written here and the
+config comes from `compressed_tensors`' own pydantic classes.
+
+Left in their original dtype, as vLLM expects: the embeddings and `lm_head` (vLLM's convention), all
+RMSNorm gains, and AttnRes's pseudo-queries `*_res_proj` (`Linear(d, 1)`: one output channel, and a
+depth-attention score error feeds a softmax over whole blocks; vLLM holds them as plain parameters,
+not quantizable linear layers).
+
+    attnres-quantize SRC DST [--overwrite]
+"""
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint_io import check_destination, copy_side_files, open_checkpoint, publish, staging_dir
+from .errors import ConversionError, listing
+
+# The linear layers vLLM runs through its quantizable `LinearBase` layers (qkv_proj, o_proj,
+# gate_up_proj, down_proj); nothing else in an AttnRes checkpoint is quantized.
+QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight\Z")
+# compressed-tensors' `ignore` list: what a loader matching the target class `Linear` must skip.
+IGNORE = ["lm_head", "re:.*_res_proj$"]
+INT8_MAX = 127
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel round-to-nearest int8: `(int8 [out, in], float32 scale [out, 1])`."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+    q = torch.round(w / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantization_config() -> dict:
+    """The `quantization_config` of a W8A8 int8 checkpoint (static per-channel weights, dynamic per-token
+    activations), as `compressed_tensors` serialises it."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
+                                ignore=IGNORE, format="int-quantized", quantization_status="compressed")
+    return config.model_dump(mode="json")
+
+
+def quantize_tensors(source) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """All tensors of `source`, the projections quantized; returns `(tensors, quantized weight names)`."""
+    out, done = {}, []
+    for key in source.keys():
+        tensor = source.get(key)
+        if QUANTIZED.search(key):
+            if tensor.dim() != 2 or not tensor.is_floating_point():
+                raise ConversionError(f"{key} is {tensor.dtype} {tuple(tensor.shape)}, expected a floating-point "
+                                      "[out, in] weight; is the checkpoint already quantized?")
+            out[key], out[key[: -len("weight")] + "weight_scale"] = quantize_weight(tensor)
+            done.append(key)
+        else:
+            out[key] = tensor.contiguous()
+    return out, done
+
+
+def read_config(src: Path) -> dict:
+    """The source `config.json`, checked to be an unquantized AttnRes checkpoint."""
+    path = src / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"No config.json in {src}; SRC must be an AttnRes checkpoint folder "
+                              "(convert other models with attnres-convert first).")
+    config = json.loads(path.read_text())
+    if "AttnResForCausalLM" not in config.get("architectures", []):
+        raise ConversionError(f"{path} has architectures={config.get('architectures')}, expected "
+                              "['AttnResForCausalLM']; convert the model with attnres-convert first.")
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method")
+        raise ConversionError(f"{src} is already quantized (quant_method={method!r}); pass the unquantized checkpoint.")
+    return config
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = False) -> list[str]:
+    """Write the W8A8 int8 checkpoint of the AttnRes checkpoint `src` to `dst` (atomically).
+
+    Returns the names of the quantized weights.
+    """
+    src, dst = Path(src), Path(dst)
+    config = read_config(src)
+    check_destination(dst, src, overwrite)
+    tensors, done = quantize_tensors(open_checkpoint(src))
+    if not done:
+        raise ConversionError(f"No q/k/v/o/gate/up/down projection weights in {src} (keys such as "
+                              f"{listing(list(tensors), limit=5)}); is it an AttnRes checkpoint?")
+    config["quantization_config"] = quantization_config()
+    tmp = staging_dir(dst)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        copy_side_files(src, tmp)
+        publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`attnres-quantize SRC DST [--overwrite]`: W8A8 int8 (compressed-tensors) for vLLM."""
+    parser = argparse.ArgumentParser(prog="attnres-quantize", description=main.__doc__)
+    parser.add_argument("src", help="an AttnRes checkpoint folder (transformers layout)")
+    parser.add_argument("dst", help="output folder (written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    args = parser.parse_args(argv)
+    try:
+        done = quantize_checkpoint(args.src, args.dst, overwrite=args.overwrite)
+    except ConversionError as err:
+        print(f"attnres-quantize: error: {err}", file=sys.stderr)
+        return 2
+    print(f"Quantized {len(done)} linear weights to int8 (W8A8, compressed-tensors) -> {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
