@@ -236,7 +236,18 @@ def training_arguments(args, world_size: int):
         adam_beta2=0.95, max_grad_norm=1.0, logging_steps=max(1, min(10, args.steps // 20)),
         save_steps=args.save_every, save_total_limit=2, report_to=[], seed=args.seed, data_seed=args.seed,
         dataloader_drop_last=True, disable_tqdm=False, remove_unused_columns=False,
+        # Several processes without GPUs: DDP over gloo on the CPUs (accelerate would otherwise leave
+        # each process training alone).
+        use_cpu=world_size > 1 and not torch.cuda.is_available(),
     )
+
+
+def check_distributed(world_size: int) -> None:
+    """Refuse a multi-process launch that would not train as one model."""
+    if world_size > 1 and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not torch.cuda.is_available():
+        raise RetrofitError("FSDP was requested, but accelerate shards models only on GPUs and other accelerators, "
+                            "not on CPUs (it would run plain DDP); on CPUs launch DDP instead: accelerate launch "
+                            "--multi_gpu --num_processes N -m attnres.conversion.retrofit ...")
 
 
 def last_checkpoint(work_dir: Path) -> str:
@@ -267,6 +278,9 @@ def train(model, train_windows: torch.Tensor, args, world_size: int = 1):
 
     resume = last_checkpoint(args.work_dir) if args.resume else None
     trainer = Trainer(model=model, args=training_arguments(args, world_size), train_dataset=Windows(train_windows))
+    if world_size > 1 and trainer.args.world_size != world_size:
+        raise RetrofitError(f"{world_size} processes were launched but the Trainer sees {trainer.args.world_size}: "
+                            "each would train alone. Launch with `accelerate launch --multi_gpu --num_processes N`")
     if args.stop_after is not None:
         trainer.add_callback(StopAfter(args.stop_after))
     trainer.train(resume_from_checkpoint=resume)
@@ -363,6 +377,7 @@ def retrofit(args) -> dict:
     """Load, measure, train, measure, save, export; returns the metrics (also in DST/retrofit.json)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_args(args, world_size)
+    check_distributed(world_size)
     check_attnres(args.model)
     texts = read_corpus(args.corpus, args.pattern, args.validation_percent)
     model, tokenizer = load_model(args.model)
@@ -374,11 +389,13 @@ def retrofit(args) -> dict:
     if trainer.state.global_step < args.steps:          # --stop-after: interrupted, nothing to publish
         return {"interrupted_at": trainer.state.global_step, "history": history}
     after = heldout_loss(trainer.model, val_windows)
-    metrics = {"model": str(args.model), "train": args.train, "trained_parameters": sum(
-        p.numel() for n, p in model.named_parameters() if n in trained), "steps": args.steps,
-        "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "processes": world_size,
-        "train_windows": train_windows.shape[0], "heldout_windows": val_windows.shape[0],
-        "heldout_loss_before": before, "heldout_loss_after": after, "history": history}
+    trained_count = sum(p.numel() for n, p in model.named_parameters() if n in trained)
+    metrics = {"model": str(args.model), "train": args.train, "trained_parameters": trained_count,
+               "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+               "warmup": args.warmup, "seed": args.seed, "processes": world_size,
+               "validation_percent": args.validation_percent, "pattern": list(args.pattern),
+               "train_windows": train_windows.shape[0], "heldout_windows": val_windows.shape[0],
+               "heldout_loss_before": before, "heldout_loss_after": after, "history": history}
     out = args.out or args.work_dir / "final"
     save_result(trainer, tokenizer, out, metrics)
     if args.export_depth is not None and trainer.is_world_process_zero():

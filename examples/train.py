@@ -8,6 +8,12 @@ a checkpoint (model, optimizer, scheduler, step, RNG) is written to `--work-dir`
 `--checkpoint-every` steps; running the same command again continues from the saved step with the
 same data order. `--arch llama` trains `transformers.LlamaForCausalLM` with the same dimensions,
 so the three runs differ only in the residual path.
+
+Several processes (`accelerate launch --multi_gpu --num_processes 2 examples/train.py ...`, on CPUs
+with the gloo backend) split every batch evenly: DDP by default, FSDP (torch's `fully_shard`, one
+unit per decoder layer) with `--fsdp`. `--batch-size` stays the global batch, so the loss curve is
+the one-process curve up to float rounding, and checkpoints hold full (unsharded) state that any
+process count reloads.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --work-dir")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters over the processes (FSDP2) instead of DDP")
     args = p.parse_args(argv)
     args.work_dir = args.work_dir or Path("/tmp/attnres-train") / args.arch
     return args
@@ -76,6 +83,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hidden_size % args.heads:
         raise SystemExit(f"error: --hidden-size {args.hidden_size} must be a multiple of --heads {args.heads}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.batch_size % world:
+        raise SystemExit(f"error: --batch-size {args.batch_size} (the global batch) must be a multiple of the "
+                         f"{world} processes")
+    if args.fsdp and world == 1:
+        raise SystemExit("error: --fsdp shards over several processes; launch with "
+                         "`accelerate launch --multi_gpu --num_processes 2 examples/train.py --fsdp ...`")
     if args.vocab_size < 256 + len(data.SPECIAL_TOKENS):
         raise SystemExit(f"error: --vocab-size {args.vocab_size} is below the 256 byte tokens plus "
                          f"{len(data.SPECIAL_TOKENS)} special tokens; use at least 300")
@@ -183,6 +197,53 @@ def build_optimizer(model, args):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
+# ----------------------------------------------------------------------------------- distributed
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size): one process, or one of WORLD_SIZE processes started by accelerate/torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")           # CPU tensors: the example trains on CPU
+    return (torch.distributed.get_rank() if world > 1 else 0), world
+
+
+def wrap_model(model, args, world: int):
+    """DDP (gradients averaged) or FSDP2 (each decoder layer, then the rest, sharded) over the processes."""
+    if world == 1:
+        return model
+    if not args.fsdp:
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def mean_over_processes(value: torch.Tensor, world: int) -> float:
+    """The mean of a per-process scalar (equal shards: the global batch mean)."""
+    if world > 1:
+        value = value.clone()
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.AVG)
+    return value.item()
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state dicts, keyed by parameter name whatever the wrapper
+    (plain, DDP or FSDP), so a checkpoint reloads under any process count."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model, optimizer, model_state: dict, optim_state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
 # ----------------------------------------------------------------------------------- checkpoints
 
 
@@ -196,10 +257,14 @@ def atomic_save(obj, path: Path) -> None:
 
 def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args, history: list, seconds: float) -> None:
     """Everything needed to continue exactly: weights, optimizer moments, schedule, step, RNG, loss
-    history, and the training seconds so far (so a resumed run reports the total time)."""
+    history, and the training seconds so far (so a resumed run reports the total time). Every
+    process gathers; the first one writes."""
+    model_state, optim_state = full_state(model, optimizer)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     atomic_save({
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optim_state,
         "scheduler": scheduler.state_dict(),
         "step": step,
         "rng": torch.get_rng_state(),
@@ -218,8 +283,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, args) -> tuple[int,
         detail = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
         raise SystemExit(f"error: checkpoint {path} was written with different arguments ({detail}); "
                          f"rerun with the original arguments, or pass --no-resume to start over")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_full_state(model, optimizer, state["model"], state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state["step"], state["history"], state.get("seconds", 0.0)
@@ -228,15 +292,16 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, args) -> tuple[int,
 # -------------------------------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, scheduler, batch: torch.Tensor) -> float:
-    """One optimizer step on `batch [b, seq]`; returns the loss (mean over predicted tokens)."""
+def train_step(model, optimizer, scheduler, batch: torch.Tensor, world: int = 1) -> float:
+    """One optimizer step on this process's share of the batch `[b, seq]`; returns the loss of the
+    whole batch (mean over predicted tokens; every share has the same number of tokens)."""
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    return mean_over_processes(loss.detach(), world)
 
 
 def train(args) -> dict:
@@ -257,8 +322,13 @@ def train(args) -> dict:
 
 def run_training(args) -> dict:
     """The training loop proper (see `train`)."""
+    rank, world = init_distributed()
+    if rank == 0:                                   # the first process tokenizes and caches, the others read
+        prepare_data(args)
+    if world > 1:
+        torch.distributed.barrier()
     tok, train_chunks, val_chunks, heldout = prepare_data(args)
-    model = build_model(args, tok).train()
+    model = wrap_model(build_model(args, tok).train(), args, world)
     optimizer, scheduler = build_optimizer(model, args)
     ckpt = args.work_dir / "checkpoint.pt"
     start, history, before = 0, [], 0.0
@@ -268,10 +338,12 @@ def run_training(args) -> dict:
     tokens_per_step = args.batch_size * args.seq_len
     stop = min(args.steps, args.stop_after) if args.stop_after is not None else args.steps
     began = time.perf_counter()
-    bar = tqdm(range(start, stop), initial=start, total=args.steps, desc=args.arch, mininterval=2, smoothing=0.1)
+    bar = tqdm(range(start, stop), initial=start, total=args.steps, desc=args.arch, mininterval=2, smoothing=0.1,
+               disable=rank != 0)
+    share = args.batch_size // world
     for step in bar:
         batch = train_chunks[data.batch_indices(step, args.batch_size, train_chunks.shape[0], args.seed)]
-        history.append(train_step(model, optimizer, scheduler, batch))
+        history.append(train_step(model, optimizer, scheduler, batch[rank * share : (rank + 1) * share], world))
         rate = (step + 1 - start) * tokens_per_step / (time.perf_counter() - began)
         bar.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{rate:.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == stop:
@@ -286,9 +358,21 @@ def run_training(args) -> dict:
     if stop == args.steps:
         metrics.update(evaluate(model, tok, val_chunks, heldout, args))
         if args.out:
-            export_model(model, tok, args, metrics, heldout, defaults=vars(parse_args([])))
-    (args.work_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+            export(model, optimizer, tok, args, metrics, heldout, rank, world)
+    if rank == 0:
+        (args.work_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
+
+
+def export(model, optimizer, tok, args, metrics: dict, heldout: str, rank: int, world: int) -> None:
+    """The model folder (and card), from the first process; a wrapped model is gathered into a plain one."""
+    if world > 1:
+        state = full_state(model, optimizer)[0]
+        if rank != 0:
+            return
+        model = build_model(args, tok)
+        model.load_state_dict(state)
+    export_model(model, tok, args, metrics, heldout, defaults=vars(parse_args([])))
 
 
 def evaluate(model, tok, val_chunks, heldout: str, args) -> dict:
@@ -309,6 +393,11 @@ def main(argv=None) -> int:
         metrics = train(args)
     except FileNotFoundError as err:           # a bad --corpus-root: say so without a traceback
         raise SystemExit(f"error: {err}") from None
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     summary = {k: v for k, v in metrics.items() if k != "history"}
     print(json.dumps(summary, indent=1))
     return 0

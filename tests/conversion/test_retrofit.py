@@ -41,10 +41,8 @@ def site_index(name: str, num_sites: int) -> int:
     return 2 * layer + (".mlp_res_" in name)
 
 
-@pytest.fixture(scope="module")
-def zeroed(tmp_path_factory) -> Path:
-    """The shipped model with uniform depth mixing (zero queries, unit key gains)."""
-    folder = tmp_path_factory.mktemp("zeroed")
+def write_zeroed(folder: Path) -> Path:
+    """The shipped model with uniform depth mixing (zero queries, unit key gains), saved to `folder`."""
     model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -57,13 +55,23 @@ def zeroed(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
+def write_corpus(root: Path) -> Path:
+    """A folder of small stdlib modules (nothing downloads)."""
+    root.mkdir(parents=True, exist_ok=True)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for name in CORPUS_MODULES:
         shutil.copyfile(stdlib / f"{name}.py", root / f"{name}.py")
     return root
+
+
+@pytest.fixture(scope="module")
+def zeroed(tmp_path_factory) -> Path:
+    return write_zeroed(tmp_path_factory.mktemp("zeroed"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def reference_loss(folder: Path) -> float:
@@ -167,3 +175,11 @@ def test_apply_refuses_a_file_from_another_model(tmp_path):
     (tmp_path / "x.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
     with pytest.raises(retrofit.RetrofitError, match="not a depth-parameter file"):
         retrofit.apply_depth_parameters(model, tmp_path / "x.safetensors")
+
+
+def test_fsdp_on_cpus_is_refused_not_silently_run_as_ddp(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(retrofit.RetrofitError, match="accelerate shards models only on GPUs.*--multi_gpu"):
+        retrofit.check_distributed(2)
+    retrofit.check_distributed(1)                                      # one process: nothing to shard

@@ -1,0 +1,111 @@
+"""Source Llama vs converted (zero queries) vs retrofitted vs a control, on the same held-out text.
+
+    .venv/bin/python examples/retrofit_compare.py --source LLAMA_DIR --converted ATTNRES_DIR \\
+        --retrofitted RETROFIT_DIR --corpus CORPUS [--steps 100 --batch-size 8 --seq-len 128]
+
+`RETROFIT_DIR` is the output of `attnres-retrofit ATTNRES_DIR CORPUS --out RETROFIT_DIR` (its
+`retrofit.json` holds the budget). The control trains as many parameters of the source Llama, its
+RMSNorm gains, with the same Trainer settings, data order, steps, batch and learning rate
+(`attnres-retrofit`'s own training code, `--train norms`), and is written to `--control-out`.
+Every model is measured on the same held-out windows (the corpus files the retrofit held out) and
+answers the same chat question greedily. Prints a markdown table and writes it as JSON to `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
+from attnres.conversion import retrofit
+
+QUESTIONS = ("What is the capital of France?", "What is 2 + 2?")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", type=Path, required=True, help="the source Llama folder")
+    p.add_argument("--converted", type=Path, required=True, help="its attnres-convert output (zero queries)")
+    p.add_argument("--retrofitted", type=Path, required=True, help="attnres-retrofit's --out folder")
+    p.add_argument("--corpus", type=Path, required=True)
+    p.add_argument("--control-out", type=Path, default=Path("/tmp/attnres-retrofit/control"))
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def answer(model, tok, question: str, max_new_tokens: int) -> str:
+    """The greedy chat answer to `question` (the tokenizer's chat template, generation prompt on)."""
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def measure(name: str, model, tok, windows: torch.Tensor, trained: int, max_new_tokens: int) -> dict:
+    loss = retrofit.heldout_loss(model.eval(), windows)
+    row = {"model": name, "trained_parameters": trained, "heldout_loss": loss, "heldout_ppl": math.exp(loss),
+           "answers": {q: answer(model, tok, q, max_new_tokens) for q in QUESTIONS}}
+    print(json.dumps(row), file=sys.stderr)
+    return row
+
+
+def train_control(source: Path, train_windows: torch.Tensor, budget: dict, out: Path):
+    """The source Llama with only its RMSNorm gains trained, on retrofit's data and budget."""
+    if (out / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), json.loads(
+            (out / "control.json").read_text())["trained_parameters"]
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    names = retrofit.select_trainable(model, "norms")
+    args = retrofit.parse_args([str(source), "unused", "--work-dir", str(out) + "-work", "--steps",
+                                str(budget["steps"]), "--batch-size", str(budget["batch_size"]), "--seq-len",
+                                str(budget["seq_len"]), "--lr", str(budget["lr"]), "--warmup", str(budget["warmup"]),
+                                "--seed", str(budget["seed"]), "--train", "norms"])
+    retrofit.train(model, train_windows, args)
+    trained = sum(p.numel() for n, p in model.named_parameters() if n in names)
+    model.save_pretrained(out)
+    (out / "control.json").write_text(json.dumps({"trained_parameters": trained, **budget}) + "\n")
+    return model, trained
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    budget = {k: v for k, v in json.loads((args.retrofitted / "retrofit.json").read_text()).items()
+              if k != "history"}
+    tok = AutoTokenizer.from_pretrained(args.converted)
+    texts = retrofit.read_corpus(args.corpus, tuple(budget["pattern"]), budget["validation_percent"])
+    windows = retrofit.spread(retrofit.token_windows(tok, texts["validation"], budget["seq_len"], "held-out"),
+                              budget["heldout_windows"])
+    train_windows = retrofit.token_windows(tok, texts["train"], budget["seq_len"], "training")
+    control, control_params = train_control(args.source, train_windows, budget, args.control_out)
+    rows = [measure("source Llama", AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32), tok,
+                    windows, 0, args.max_new_tokens),
+            measure("converted AttnRes (zero queries)", AutoModelForCausalLM.from_pretrained(
+                args.converted, dtype=torch.float32), tok, windows, 0, args.max_new_tokens),
+            measure("retrofitted AttnRes (depth parameters trained)", AutoModelForCausalLM.from_pretrained(
+                args.retrofitted, dtype=torch.float32), tok, windows, budget["trained_parameters"],
+                args.max_new_tokens),
+            measure("control: source Llama, RMSNorm gains trained", control, tok, windows, control_params,
+                    args.max_new_tokens)]
+    print(f"\nheld-out: {windows.shape[0]} windows of {budget['seq_len']} tokens; training: {budget['steps']} steps "
+          f"of {budget['batch_size']} x {budget['seq_len']} tokens, lr {budget['lr']}\n")
+    print("| model | trained params | held-out loss | perplexity | " + " | ".join(QUESTIONS) + " |")
+    print("|---|---:|---:|---:|" + "---|" * len(QUESTIONS))
+    for r in rows:
+        answers = " | ".join(r["answers"][q].replace("\n", " ").replace("|", "/") for q in QUESTIONS)
+        print(f"| {r['model']} | {r['trained_parameters']:,} | {r['heldout_loss']:.4f} | {r['heldout_ppl']:.2f} | "
+              f"{answers} |")
+    if args.json:
+        args.json.write_text(json.dumps({"budget": budget, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
