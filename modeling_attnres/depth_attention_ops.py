@@ -4,18 +4,27 @@ The mathematics is `depth_attention.py` (torch only, the reference). Other backe
 with the same arguments, held to the same float64 oracle in the tests:
 
 - `depth_attention_cpu.py`: a fused C++ kernel for eager CPU inference (opt-in, see there).
+- `depth_attention_triton.py`: Triton kernels for CUDA inference (whenever Triton is installed).
 
 The transformers model and the vLLM model both call `site_mix` / `site_push` with their own
 modules' parameters, so which backend runs, and how the query is folded, is decided here once.
 """
 
-from typing import Optional
-
-import torch
 from torch import Tensor
 
 from .depth_attention import DepthBank, bank_dtype, empty_bank, fold_queries, mix_site, push_block
 from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site, fused_push_source
+from .depth_attention_triton import triton_applies, triton_mix_site, triton_push_source
+
+
+def site_backend(partial: Tensor) -> str:
+    """The backend `site_mix` / `site_push` run for `partial`: `"cpu-kernel"`, `"triton"` or
+    `"torch"` (the reference, and the only one under autograd). See each sibling's `*_applies`."""
+    if cpu_kernel_applies(partial):
+        return "cpu-kernel"
+    if triton_applies(partial):
+        return "triton"
+    return "torch"
 
 
 def site_bank(embeds: Tensor, config) -> DepthBank:
@@ -26,25 +35,30 @@ def site_bank(embeds: Tensor, config) -> DepthBank:
 
 
 def site_mix(bank: DepthBank, partial: Tensor, proj_weight: Tensor, norm_weight: Tensor, eps: float,
-             keep_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+             keep_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """Mix one site from its pseudo-query `proj_weight [1, d]` and key-norm gain `norm_weight [d]`.
 
     Returns the mix `[*tokens, d]` in the pseudo-query's dtype and, if `keep_weights`, the weights
     `[*tokens, n + 1]` (see `depth_attention.mix_site`).
     """
-    dtype = proj_weight.dtype
-    if cpu_kernel_applies(partial):                                    # folds the query in C++
+    dtype, backend = proj_weight.dtype, site_backend(partial)
+    if backend == "cpu-kernel":                                        # folds the query in C++
         return fused_mix_site(bank, partial, proj_weight, eps, dtype, keep_weights, gain=norm_weight)
+    if backend == "triton":                                            # folds the query in the kernel
+        return triton_mix_site(bank, partial, proj_weight, eps, dtype, keep_weights, gain=norm_weight)
     query = fold_queries(proj_weight, norm_weight[None])[0]            # [d]
     return mix_site(bank, partial, query, eps, dtype, keep_weights)
 
 
 def site_push(bank: DepthBank, partial: Tensor, closes_block: bool,
-              eps: float) -> tuple[DepthBank, Optional[Tensor]]:
+              eps: float) -> tuple[DepthBank, Tensor | None]:
     """`depth_attention.push_block` by the backend that `site_mix` would use for this partial."""
-    if closes_block and cpu_kernel_applies(partial):
+    backend = site_backend(partial) if closes_block else "torch"
+    if backend == "cpu-kernel":
         return fused_push_source(bank, partial, eps), None
+    if backend == "triton":
+        return triton_push_source(bank, partial, eps), None
     return push_block(bank, partial, closes_block, eps)
 
 
-__all__ = ["site_bank", "site_mix", "site_push"]
+__all__ = ["site_backend", "site_bank", "site_mix", "site_push"]

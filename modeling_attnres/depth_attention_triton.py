@@ -218,8 +218,8 @@ def _rows(bank: DepthBank, partial: Tensor, tokens: int, n: int, d: int) -> tupl
 
 
 def _launch(kernel, tokens: int, device: torch.device, *args, **meta) -> None:
-    """Launch one program per token row on `device`'s stream."""
-    if device.type == "cuda":
+    """Launch one program per token row on `device` (Triton launches on the current CUDA device)."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
         with torch.cuda.device(device):
             kernel[(tokens,)](*args, **meta)
     else:

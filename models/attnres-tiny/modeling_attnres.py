@@ -42,7 +42,7 @@ from .depth_attention_ops import site_bank, site_mix, site_push
 
 
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py",
-                     "depth_attention_ops.py", "modeling_attnres.py")
+                     "depth_attention_ops.py", "depth_attention_triton.py", "modeling_attnres.py")
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_attnres.AttnResConfig",
     "AutoModel": "modeling_attnres.AttnResModel",

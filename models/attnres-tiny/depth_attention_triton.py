@@ -1,0 +1,285 @@
+"""Triton kernels for `depth_attention.mix_site` and `push_source`: a site in one pass on GPUs.
+
+In eager PyTorch a site is about twenty small kernels (two matmuls, a norm, a softmax, a cat...),
+each launched separately and each reading its inputs from memory again. Here a site is one kernel:
+one program per token row streams the row's stored sources once, keeping an online softmax
+(running maximum, running sum and running weighted sum, as flash attention does over keys), and
+writes the mix. Scores, softmax and the sum run in float32 (float64 for float64 inputs) whatever the
+dtype of the bank (float32, bfloat16 or float16), of the partial and of the output. Storing a block
+(`push_source`) is a second kernel: copy, append and inverse RMS in one pass.
+
+These are siblings of the torch functions, not a second definition: `depth_attention.mix_site`
+stays the reference (the tests hold these kernels to it and to the float64 oracle) and the only
+path under autograd and `torch.compile`. `depth_attention_ops` sends CUDA tensors here when Triton
+is installed and no gradient is recorded (`triton_applies`); `enable_triton_kernel(False)` or the
+environment variable `ATTNRES_TRITON_KERNEL=0` keeps them on the torch path. Triton's own switch for
+running kernels on the CPU, `TRITON_INTERPRET=1`, sends CPU tensors here too: that is how the tests
+run these kernels without a GPU (slowly).
+
+Triton is imported at the first kernel call, never at import time: remote-code users without it
+(CPU machines, Apple silicon) load this file without error and run the torch path.
+"""
+
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings until Triton reads them
+
+import functools
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from .depth_attention import DepthBank, push_source
+
+# Largest power-of-two row width a program holds in registers at once (hidden 16384 and below: one
+# pass over the bank). Wider rows take the chunked kernel, which reads the bank twice.
+_MAX_BLOCK_D = 16384
+_CHUNK_D = 4096
+_kernels = None
+tl = None  # `triton.language`, set at the first kernel call; the kernels read it as a global
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU (`TRITON_INTERPRET=1`, read as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel writes for a result in `dtype`. Triton's interpreter converts float32 to
+    bfloat16 by truncation where GPUs (and torch) round to nearest even: under it, the kernel writes
+    float32 and torch rounds."""
+    return torch.float32 if dtype == torch.bfloat16 and _interpreting() else dtype
+
+
+_AVAILABLE = importlib.util.find_spec("triton") is not None
+_enabled = os.environ.get("ATTNRES_TRITON_KERNEL", "1").lower() not in ("0", "false", "no", "off")
+
+
+def enable_triton_kernel(enabled: bool = True) -> None:
+    """Run depth attention on the Triton kernels where they apply (the default when Triton is
+    installed); `enable_triton_kernel(False)` keeps every site on the torch path."""
+    global _enabled
+    _enabled = enabled
+
+
+def triton_applies(partial: Tensor) -> bool:
+    """Whether a site mixing `partial` runs the Triton kernels: they are enabled and Triton is
+    installed, the tensors are on a CUDA device (or on the CPU under `TRITON_INTERPRET=1`), no
+    gradient is being recorded and torch.compile is not tracing (it fuses the torch code itself)."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or not (_enabled and _AVAILABLE):
+        return False
+    return partial.device.type == "cuda" or (partial.device.type == "cpu" and _interpreting())
+
+
+def _mix_row(src_ptr, inv_ptr, part_ptr, q_ptr, gain_ptr, out_ptr, w_ptr, n, d, eps,
+             src_stride_t, src_stride_n, inv_stride_t, inv_stride_n, part_stride_t,
+             HAS_GAIN: tl.constexpr, KEEP: tl.constexpr, ACC: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One token row, one pass: the partial's score starts an online softmax that each stored
+    source then updates (`m` running max, `z` running sum of exp, `acc` running weighted sum)."""
+    row = tl.program_id(0).to(tl.int64)              # int64 offsets: banks pass 2**31 elements
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < d
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(ACC)
+    if HAS_GAIN:
+        q = q * tl.load(gain_ptr + offs, mask=mask, other=0.0).to(ACC)
+    p = tl.load(part_ptr + row * part_stride_t + offs, mask=mask, other=0.0).to(ACC)
+    m = tl.sum(p * q, axis=0) * tl.rsqrt(tl.sum(p * p, axis=0) / d + eps)
+    z = tl.exp(m - m)                                # 1, in the accumulation dtype
+    acc = p
+    offs_n = tl.arange(0, BLOCK_N)
+    if KEEP:
+        scores = tl.where(offs_n == n, m, float("-inf"))
+    src_row = src_ptr + row * src_stride_t
+    for i in range(n):
+        x = tl.load(src_row + i * src_stride_n + offs, mask=mask, other=0.0).to(ACC)
+        s = tl.sum(x * q, axis=0) * tl.load(inv_ptr + row * inv_stride_t + i * inv_stride_n).to(ACC)
+        m_new = tl.maximum(m, s)
+        alpha, beta = tl.exp(m - m_new), tl.exp(s - m_new)
+        acc = acc * alpha + x * beta
+        z = z * alpha + beta
+        m = m_new
+        if KEEP:
+            scores = tl.where(offs_n == i, s, scores)
+    tl.store(out_ptr + row * d + offs, (acc / z).to(out_ptr.dtype.element_ty), mask=mask)
+    if KEEP:
+        tl.store(w_ptr + row * (n + 1) + offs_n, tl.exp(scores - m) / z, mask=offs_n <= n)
+
+
+def _mix_row_chunked(src_ptr, inv_ptr, part_ptr, q_ptr, gain_ptr, out_ptr, w_ptr, n, d, eps,
+                     src_stride_t, src_stride_n, inv_stride_t, inv_stride_n, part_stride_t,
+                     HAS_GAIN: tl.constexpr, KEEP: tl.constexpr, ACC: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One token row wider than a program's registers: the dot products chunk by chunk, the
+    softmax over the `n + 1` scores (held in a `BLOCK_N` vector), then the sum chunk by chunk."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    src_row, part_row = src_ptr + row * src_stride_t, part_ptr + row * part_stride_t
+    dots = tl.zeros([BLOCK_N], ACC)
+    squares = tl.sum(dots, axis=0)                   # 0, the partial's sum of squares
+    for start in range(0, d, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        mask = offs < d
+        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(ACC)
+        if HAS_GAIN:
+            q = q * tl.load(gain_ptr + offs, mask=mask, other=0.0).to(ACC)
+        p = tl.load(part_row + offs, mask=mask, other=0.0).to(ACC)
+        squares += tl.sum(p * p, axis=0)
+        dots = tl.where(offs_n == n, dots + tl.sum(p * q, axis=0), dots)
+        for i in range(n):
+            x = tl.load(src_row + i * src_stride_n + offs, mask=mask, other=0.0).to(ACC)
+            dots = tl.where(offs_n == i, dots + tl.sum(x * q, axis=0), dots)
+    inv = tl.load(inv_ptr + row * inv_stride_t + offs_n * inv_stride_n, mask=offs_n < n, other=0.0).to(ACC)
+    inv = tl.where(offs_n == n, tl.rsqrt(squares / d + eps), inv)
+    scores = tl.where(offs_n <= n, dots * inv, float("-inf"))
+    e = tl.exp(scores - tl.max(scores, axis=0))
+    weights = e / tl.sum(e, axis=0)
+    w_partial = tl.sum(tl.where(offs_n == n, weights, 0.0), axis=0)
+    for start in range(0, d, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        mask = offs < d
+        acc = tl.load(part_row + offs, mask=mask, other=0.0).to(ACC) * w_partial
+        for i in range(n):
+            x = tl.load(src_row + i * src_stride_n + offs, mask=mask, other=0.0).to(ACC)
+            acc += x * tl.sum(tl.where(offs_n == i, weights, 0.0), axis=0)
+        tl.store(out_ptr + row * d + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if KEEP:
+        tl.store(w_ptr + row * (n + 1) + offs_n, weights, mask=offs_n <= n)
+
+
+def _push_row(part_ptr, storage_ptr, inv_storage_ptr, n, d, eps, part_stride_t, storage_stride_t,
+              inv_stride_t, ACC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token row of `push_source`, in place: the partial written to row `n` of the bank in the
+    bank's dtype (rounded once, here) and its inverse RMS, taken of the value as stored."""
+    row = tl.program_id(0).to(tl.int64)
+    part_row, stored_row = part_ptr + row * part_stride_t, storage_ptr + row * storage_stride_t + n * d
+    squares = tl.sum(tl.zeros([BLOCK_D], ACC), axis=0)
+    for start in range(0, d, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        mask = offs < d
+        stored = tl.load(part_row + offs, mask=mask, other=0.0).to(storage_ptr.dtype.element_ty)
+        tl.store(stored_row + offs, stored, mask=mask)
+        squares += tl.sum(stored.to(ACC) * stored.to(ACC), axis=0)
+    tl.store(inv_storage_ptr + row * inv_stride_t + n, tl.rsqrt(squares / d + eps).to(
+        inv_storage_ptr.dtype.element_ty))
+
+
+def _load_kernels() -> SimpleNamespace:
+    """Import Triton and compile-wrap the kernels (once). A clear error when Triton is missing."""
+    global _kernels, tl
+    if _kernels is None:
+        try:  # (transformers' remote-code import check skips imports inside `try`)
+            import triton
+            import triton.language as language
+        except ImportError as error:
+            raise RuntimeError(
+                "The AttnRes Triton kernels need Triton (pip install triton; it comes with PyTorch's CUDA "
+                "wheels). Without it, run the torch path: `depth_attention.mix_site` / `push_source`."
+            ) from error
+        tl = language
+        # One compiled variant for every number of stored sources (Triton would specialise n == 1).
+        jit = functools.partial(triton.jit, do_not_specialize=["n"])
+        _kernels = SimpleNamespace(mix=jit(_mix_row), mix_chunked=jit(_mix_row_chunked), push=jit(_push_row),
+                                   next_power_of_2=triton.next_power_of_2)
+    return _kernels
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_bank(bank: DepthBank, partial: Tensor, where: str) -> tuple[int, int, int]:
+    """`(tokens, n, d)` of a bank and partial that fit together, or a ValueError naming the shapes."""
+    sources, inv_rms = bank.sources, bank.inv_rms
+    d = partial.shape[-1]
+    if (sources.dim() != partial.dim() + 1 or sources.shape[:-2] != partial.shape[:-1] or sources.shape[-1] != d
+            or inv_rms.shape != sources.shape[:-1]):
+        raise ValueError(f"{where}: bank sources {tuple(sources.shape)} / inv_rms {tuple(inv_rms.shape)} do not match "
+                         f"partial {tuple(partial.shape)}; expected sources [*tokens, n, d] and inv_rms "
+                         "[*tokens, n] for a partial [*tokens, d] (build the bank with `empty_bank(partial)`).")
+    if not (sources.device == inv_rms.device == partial.device):
+        raise ValueError(f"{where}: bank on {sources.device} / {inv_rms.device}, partial on {partial.device}; "
+                         "move them to one device.")
+    if d == 0:
+        raise ValueError(f"{where}: hidden size 0 (partial {tuple(partial.shape)}); expected d >= 1.")
+    return partial.numel() // d, sources.shape[-2], d
+
+
+def _rows(bank: DepthBank, partial: Tensor, tokens: int, n: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Flat `[tokens, n, d]`, `[tokens, n]`, `[tokens, d]` views (copies only when the last dim is
+    strided); with no stored source, the partial stands in for the empty bank (never read)."""
+    part = partial.reshape(tokens, d)
+    part = part if part.stride(-1) == 1 else part.contiguous()
+    if n == 0:
+        return part.unsqueeze(1), part[:, :1], part
+    src = bank.sources.reshape(tokens, n, d)
+    return (src if src.stride(-1) == 1 else src.contiguous()), bank.inv_rms.reshape(tokens, n), part
+
+
+def _launch(kernel, tokens: int, device: torch.device, *args, **meta) -> None:
+    """Launch one program per token row on `device` (Triton launches on the current CUDA device)."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        with torch.cuda.device(device):
+            kernel[(tokens,)](*args, **meta)
+    else:
+        kernel[(tokens,)](*args, **meta)
+
+
+def triton_mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype: torch.dtype,
+                    keep_weights: bool = False, gain: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """`depth_attention.mix_site` (same arguments, same results up to float rounding) in one kernel.
+
+    The bank's sources may be float32, bfloat16 or float16, as may the partial and `dtype`; all are
+    upcast inside the kernel. With `gain` (the site's key-norm weight), `query` is the raw
+    pseudo-query and the two are folded in the kernel, as `fold_queries` would. Forward only: call
+    it where `triton_applies`.
+    """
+    tokens, n, d = _check_bank(bank, partial, "triton_mix_site")
+    if query.numel() != d or (gain is not None and gain.numel() != d):
+        raise ValueError(f"triton_mix_site: query {tuple(query.shape)} and gain "
+                         f"{None if gain is None else tuple(gain.shape)} must have {d} elements (the hidden size "
+                         f"of partial {tuple(partial.shape)}).")
+    acc_dtype = _acc_dtype(partial)
+    out = torch.empty(partial.shape, dtype=_kernel_dtype(dtype), device=partial.device)
+    weights = (torch.empty(*partial.shape[:-1], n + 1, dtype=acc_dtype, device=partial.device)
+               if keep_weights else None)
+    if tokens == 0:
+        return out.to(dtype), weights
+    k = _load_kernels()
+    src, inv, part = _rows(bank, partial, tokens, n, d)
+    q = query.reshape(d).contiguous()
+    block_d = k.next_power_of_2(d)
+    kernel, block_d = (k.mix, block_d) if block_d <= _MAX_BLOCK_D else (k.mix_chunked, _CHUNK_D)
+    # the one-pass kernel holds scores only for the weights: without them, one variant for every n
+    block_n = k.next_power_of_2(n + 1) if keep_weights or kernel is k.mix_chunked else 1
+    _launch(kernel, tokens, partial.device, src, inv, part, q, q if gain is None else gain.reshape(d).contiguous(),
+            out, out if weights is None else weights, n, d, eps, src.stride(0), src.stride(1), inv.stride(0),
+            inv.stride(1), part.stride(0), HAS_GAIN=gain is not None, KEEP=keep_weights,
+            ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32, BLOCK_D=block_d,
+            BLOCK_N=block_n, num_warps=max(1, min(16, block_d // 512)))
+    return out.to(dtype), weights
+
+
+def triton_push_source(bank: DepthBank, partial: Tensor, eps: float) -> DepthBank:
+    """`depth_attention.push_source` in one kernel: the partial stored in place in the bank's dtype
+    and its inverse RMS (of the stored value), n -> n + 1. A bank with no room left grows by
+    concatenation, as in the torch function. Forward only: call it where `triton_applies`."""
+    tokens, n, d = _check_bank(bank, partial, "triton_push_source")
+    storage, inv_storage = bank.storage, bank.inv_storage
+    if n >= storage.shape[-2] or not (storage.is_contiguous() and inv_storage.is_contiguous()):
+        return push_source(bank, partial, eps)
+    if tokens > 0:
+        k = _load_kernels()
+        part = partial.reshape(tokens, d)
+        part = part if part.stride(-1) == 1 else part.contiguous()
+        part = part if _kernel_dtype(storage.dtype) == storage.dtype else part.to(storage.dtype)
+        block_d = min(k.next_power_of_2(d), _CHUNK_D)
+        _launch(k.push, tokens, partial.device, part, storage, inv_storage, n, d, eps, part.stride(0),
+                storage.shape[-2] * d, inv_storage.shape[-1],
+                ACC=tl.float64 if inv_storage.dtype == torch.float64 else tl.float32, BLOCK_D=block_d,
+                num_warps=max(1, min(8, block_d // 512)))
+    return DepthBank(storage, inv_storage, n + 1)
+
+
+__all__ = ["enable_triton_kernel", "triton_applies", "triton_mix_site", "triton_push_source"]

@@ -1,0 +1,298 @@
+"""The Triton kernels vs the float64 oracle and the torch reference, and when the models use them.
+
+CI has no GPU: the kernels run on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`). The
+variable must be set before Triton is first imported, and must not reach other tests, so one
+subprocess (`_worker`, started once for the module) runs every kernel call on inputs this process
+built and saved, and saves what the kernels returned; the tests here compare those results with
+`tests/oracle.naive_mix` in float64 and with the torch path (`mix_site`, `push_source`, the model).
+
+Tolerances (stated per test) follow from the dtypes: float64 end to end agrees to 1e-12; a float32
+accumulation over at most 34 sources to ~1e-6 of the largest source; a result rounded to a
+bfloat16/float16 output to one unit in its last place (`finfo(dtype).eps` relative).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import modeling_attnres.depth_attention_triton as tri
+from modeling_attnres.depth_attention import DepthBank, empty_bank, mix_site, push_source
+from modeling_attnres.depth_attention_ops import site_backend
+from tests.helpers import tiny_model
+from tests.oracle import naive_mix
+
+EPS = 1e-6
+REPO = Path(__file__).resolve().parents[2]
+F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+
+# (stored sources, token shape, hidden size, fold the gain in the kernel): every n in 0..5 and 8, 33;
+# hidden sizes that are no power of two (masked tails) and 1.
+ORACLE_CASES = [(n, tokens, d, gain) for n, tokens, d, gain in [
+    (0, (1,), 1, False), (0, (2, 3), 7, True), (1, (1,), 33, False), (2, (2, 3), 7, True), (3, (4,), 300, True),
+    (4, (1,), 1, True), (5, (2, 1), 33, False), (8, (3,), 300, False), (33, (1,), 7, True), (33, (2,), 300, False),
+]]
+# (stored sources, hidden size, chunk width): the chunked kernel for rows wider than a program holds.
+CHUNKED_CASES = [(0, 33, 16), (5, 300, 64), (33, 7, 4)]
+DTYPE_CASES = [(bank, part, out) for bank in (F32, BF16, F16) for part in (F32, BF16, F16) for out in (F32, BF16, F16)]
+PUSH_CASES = [(bank, part, n, d) for bank, part in [(F64, F64), (F32, F32), (F32, BF16), (BF16, F32), (F16, F32),
+                                                     (BF16, BF16)] for n, d in [(0, 7), (3, 300)]]
+MODEL_CASES = [("block", F32), ("full", BF16)]
+MODEL = dict(seed=3, num_hidden_layers=3)        # 7 sites: the interpreter runs each program in Python
+
+
+def make_case(n: int, tokens: tuple, d: int, bank_dtype=F64, part_dtype=F64, seed: int = 0, room: int = 2):
+    """A bank of `n` sources (stored by the torch `push_source`, with `room` rows to spare, so that
+    `bank.sources` is a strided view), a partial, a pseudo-query `w` and a key-norm gain."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(n + 1, *tokens, d, generator=gen, dtype=F64) * 3
+    w = torch.randn(d, generator=gen, dtype=F64)
+    gain = 1 + 0.5 * torch.randn(d, generator=gen, dtype=F64)
+    partial = values[-1].to(part_dtype)
+    with torch.no_grad():
+        bank = empty_bank(partial, n + room, bank_dtype)
+        for value in values[:-1]:
+            bank = push_source(bank, value.to(part_dtype), EPS)
+    return bank, partial, w, gain
+
+
+def oracle(bank: DepthBank, partial: torch.Tensor, w: torch.Tensor, gain: torch.Tensor):
+    """`naive_mix` in float64 over the sources as stored (already rounded to the bank's dtype)."""
+    sources = list(bank.sources.double().movedim(-2, 0)) + [partial.double()]
+    mixed, probs = naive_mix(sources, w.double(), gain.double(), EPS)
+    return mixed, probs.movedim(0, -1)
+
+
+def all_jobs() -> dict:
+    """Every kernel call the worker makes, by name: the inputs and the arguments."""
+    jobs = {}
+    for i, (n, tokens, d, gain) in enumerate(ORACLE_CASES):
+        bank, partial, w, g = make_case(n, tokens, d, seed=i)
+        jobs[f"oracle{i}"] = dict(kind="mix", bank=bank, partial=partial, dtype=F64, keep=True,
+                                  query=w if gain else w * g, gain=g if gain else None)
+    for i, (n, d, chunk) in enumerate(CHUNKED_CASES):
+        bank, partial, w, g = make_case(n, (2,), d, seed=10 + i)
+        jobs[f"chunked{i}"] = dict(kind="mix", bank=bank, partial=partial, dtype=F64, keep=True, query=w, gain=g,
+                                   chunk=chunk)
+    for i, (bank_dtype, part_dtype, out) in enumerate(DTYPE_CASES):
+        bank, partial, w, g = make_case(5, (3,), 33, bank_dtype, part_dtype, seed=20 + i)
+        jobs[f"dtype{i}"] = dict(kind="mix", bank=bank, partial=partial, dtype=out, keep=i % 2 == 0,
+                                 query=(w * g).float(), gain=None)
+    bank, partial, w, g = make_case(4, (6, 2), 32, F32, F32, seed=50)
+    jobs["strided"] = dict(kind="mix", bank=bank, partial=partial.transpose(0, 1).contiguous().transpose(0, 1),
+                           dtype=F32, keep=True, query=(w * g * 1e3).float(), gain=None)   # large scores too
+    for i, (bank_dtype, part_dtype, n, d) in enumerate(PUSH_CASES):
+        bank, partial, _, _ = make_case(n, (2, 3), d, bank_dtype, part_dtype, seed=60 + i)
+        jobs[f"push{i}"] = dict(kind="push", bank=bank, partial=partial)
+    bank, partial, _, _ = make_case(3, (2,), 16, F32, F32, seed=80, room=0)
+    jobs["push_full"] = dict(kind="push", bank=bank, partial=partial)      # no room left: concatenation
+    return jobs
+
+
+def model_and_ids(mode: str, dtype: torch.dtype):
+    model = tiny_model(dtype=dtype, attn_res_mode=mode, **MODEL)
+    return model, torch.randint(3, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(3))
+
+
+def _worker(jobs_path: str, results_path: str) -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1: every job through the kernels, the dispatcher's
+    choices, and the tiny models (whose sites dispatch to the kernels here)."""
+    assert tri._interpreting()
+    results = {}
+    torch.set_grad_enabled(False)
+    for name, job in torch.load(jobs_path, weights_only=False).items():
+        if job["kind"] == "push":
+            bank = job["bank"]
+            pushed = tri.triton_push_source(bank, job["partial"], EPS)
+            results[name] = (pushed, pushed.storage.data_ptr() == bank.storage.data_ptr())
+            continue
+        tri._MAX_BLOCK_D, tri._CHUNK_D = (job["chunk"], job["chunk"]) if "chunk" in job else (16384, 4096)
+        results[name] = tri.triton_mix_site(job["bank"], job["partial"], job["query"], EPS, job["dtype"],
+                                            keep_weights=job["keep"], gain=job["gain"])
+    tri._MAX_BLOCK_D, tri._CHUNK_D = 16384, 4096
+    x = torch.zeros(2, 4)
+    with torch.enable_grad():
+        results["backend_grad"] = site_backend(x)
+    results["backend_no_grad"] = site_backend(x)
+    results["backend_compiled"] = torch.compile(lambda t: site_backend(t), backend="eager", fullgraph=True)(x)
+    calls = []
+    real_mix = tri.triton_mix_site
+    sys.modules["modeling_attnres.depth_attention_ops"].triton_mix_site = lambda *a, **k: calls.append(1) or real_mix(
+        *a, **k)
+    for mode, dtype in MODEL_CASES:
+        model, ids = model_and_ids(mode, dtype)
+        out = model(ids, output_depth_attentions=True)
+        sites = len(calls)
+        tokens = model.generate(ids, max_new_tokens=2, do_sample=False)
+        results[f"model_{mode}_{dtype}"] = (out.logits, out.depth_attentions, tokens, sites)
+        calls.clear()
+    torch.save(results, results_path)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """The jobs (built here) and the kernels' results (from one interpreter subprocess)."""
+    folder = tmp_path_factory.mktemp("triton")
+    jobs = all_jobs()
+    torch.save(jobs, folder / "jobs.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ATTNRES_CPU_KERNEL": "0"}
+    code = (f"from tests.modeling_attnres.test_depth_attention_triton import _worker; "
+            f"_worker({str(folder / 'jobs.pt')!r}, {str(folder / 'results.pt')!r})")
+    with open(folder / "worker.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=240)
+    assert proc.returncode == 0, (folder / "worker.log").read_text()[-5000:]
+    return jobs, torch.load(folder / "results.pt", weights_only=False)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("i", range(len(ORACLE_CASES)), ids=[f"n{n}-tokens{t}-d{d}-gain{g}" for n, t, d, g in
+                                                             ORACLE_CASES])
+def test_mix_matches_the_oracle_in_float64(ran, i):
+    jobs, results = ran
+    job = jobs[f"oracle{i}"]
+    out, weights = results[f"oracle{i}"]
+    gain = job["gain"] if job["gain"] is not None else torch.ones_like(job["query"])
+    expected, probs = oracle(job["bank"], job["partial"], job["query"], gain)
+    assert out.dtype == weights.dtype == F64 and out.shape == job["partial"].shape
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)        # float64 end to end
+    torch.testing.assert_close(weights, probs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("i", range(len(CHUNKED_CASES)), ids=[f"n{n}-d{d}-chunk{c}" for n, d, c in CHUNKED_CASES])
+def test_the_chunked_kernel_for_wide_rows_matches_the_oracle(ran, i):
+    jobs, results = ran
+    job = jobs[f"chunked{i}"]
+    out, weights = results[f"chunked{i}"]
+    expected, probs = oracle(job["bank"], job["partial"], job["query"], job["gain"])
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weights, probs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("i", range(len(DTYPE_CASES)), ids=[f"bank-{str(b)[6:]}-partial-{str(p)[6:]}-out-{str(o)[6:]}"
+                                                            for b, p, o in DTYPE_CASES])
+def test_mix_in_every_dtype_matches_the_oracle_and_the_torch_path(ran, i):
+    jobs, results = ran
+    job = jobs[f"dtype{i}"]
+    out, weights = results[f"dtype{i}"]
+    bank, partial, dtype = job["bank"], job["partial"], job["dtype"]
+    assert out.dtype == dtype and (weights is None) == (not job["keep"])
+    expected, probs = oracle(bank, partial, job["query"], torch.ones_like(job["query"]))
+    with torch.no_grad():
+        ref, ref_weights = mix_site(bank, partial, job["query"], EPS, dtype, keep_weights=True)
+    # float32 accumulation: ~1e-6 of the largest source; the cast to `dtype`: one ulp (two vs the
+    # torch path, which rounds its own float32 result).
+    scale = float(bank.sources.abs().max().clamp(min=1))
+    eps_out = torch.finfo(dtype).eps if dtype != F32 else 0.0
+    torch.testing.assert_close(out.double(), expected, rtol=eps_out, atol=2e-6 * scale)
+    torch.testing.assert_close(out.double(), ref.double(), rtol=2 * eps_out, atol=2e-6 * scale)
+    if weights is not None:
+        assert weights.dtype == F32
+        torch.testing.assert_close(weights.double(), probs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_strided_inputs_and_large_scores(ran):
+    jobs, results = ran
+    job = jobs["strided"]
+    assert not job["partial"].is_contiguous() and not job["bank"].sources.is_contiguous()
+    out, weights = results["strided"]
+    with torch.no_grad():
+        ref, ref_weights = mix_site(job["bank"], job["partial"], job["query"], EPS, F32, keep_weights=True)
+    assert torch.isfinite(out).all() and torch.isfinite(weights).all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("i", range(len(PUSH_CASES)), ids=[f"bank-{str(b)[6:]}-partial-{str(p)[6:]}-n{n}-d{d}"
+                                                           for b, p, n, d in PUSH_CASES])
+def test_push_source_stores_in_place_like_the_torch_path(ran, i):
+    jobs, results = ran
+    job = jobs[f"push{i}"]
+    pushed, in_place = results[f"push{i}"]
+    bank, partial = job["bank"], job["partial"]
+    with torch.no_grad():
+        ref = push_source(DepthBank(bank.storage.clone(), bank.inv_storage.clone(), bank.num_stored), partial, EPS)
+    assert in_place and pushed.num_stored == ref.num_stored == bank.num_stored + 1
+    assert pushed.sources.dtype == bank.storage.dtype and pushed.inv_rms.dtype == bank.inv_storage.dtype
+    assert torch.equal(pushed.sources[..., :-1, :], bank.sources)              # earlier rows untouched
+    new = pushed.sources[..., -1, :]
+    assert torch.equal(new, ref.sources[..., -1, :])          # the partial rounded to the bank's dtype, once
+    expected_inv = torch.rsqrt(new.double().pow(2).mean(-1) + EPS)          # of the value as stored
+    tol = 1e-12 if bank.inv_storage.dtype == F64 else 1e-6
+    torch.testing.assert_close(pushed.inv_rms[..., -1].double(), expected_inv, rtol=tol, atol=0)
+    torch.testing.assert_close(pushed.inv_rms[..., :-1], bank.inv_rms)
+
+
+def test_push_source_into_a_full_bank_grows_it(ran):
+    jobs, results = ran
+    job = jobs["push_full"]
+    pushed, in_place = results["push_full"]
+    with torch.no_grad():
+        ref = push_source(job["bank"], job["partial"], EPS)
+    assert not in_place and pushed.num_stored == 4
+    torch.testing.assert_close(pushed.sources, ref.sources, rtol=0, atol=0)
+    torch.testing.assert_close(pushed.inv_rms, ref.inv_rms, rtol=1e-6, atol=0)
+
+
+def test_the_dispatcher_picks_triton_for_inference_only(ran):
+    _, results = ran
+    # Under the interpreter CPU tensors count as a Triton device; a GPU's are chosen by the same rule.
+    assert results["backend_no_grad"] == "triton"
+    assert results["backend_grad"] == "torch"            # autograd: the differentiable torch path
+    assert results["backend_compiled"] == "torch"        # torch.compile fuses the torch code itself
+    with torch.no_grad():
+        assert site_backend(torch.zeros(2, 4)) == "torch"   # here, without the interpreter: the CPU stays torch
+
+
+def test_the_interpreter_switch_and_the_off_switch_are_read_when_deciding(monkeypatch):
+    x = torch.zeros(3)
+    with torch.no_grad():
+        assert not tri.triton_applies(x)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert tri.triton_applies(x)
+        tri.enable_triton_kernel(False)
+        try:
+            assert not tri.triton_applies(x)
+        finally:
+            tri.enable_triton_kernel()
+        monkeypatch.setattr(tri, "_AVAILABLE", False)     # Triton not installed: never
+        assert not tri.triton_applies(x)
+    assert not tri.triton_applies(torch.zeros(3, device="meta"))
+
+
+@pytest.mark.parametrize("mode,dtype", MODEL_CASES, ids=[f"{m}-{str(d)[6:]}" for m, d in MODEL_CASES])
+def test_models_whose_sites_run_the_kernels_match_the_torch_path(ran, mode, dtype):
+    _, results = ran
+    logits, depth_attentions, tokens, sites = results[f"model_{mode}_{dtype}"]
+    model, ids = model_and_ids(mode, dtype)
+    assert sites == 2 * model.config.num_hidden_layers + 1          # every site of the forward ran the kernel
+    with torch.no_grad():
+        ref = model(ids, output_depth_attentions=True)
+        ref_tokens = model.generate(ids, max_new_tokens=2, do_sample=False)
+    # bfloat16: a mix may round to the neighbouring bfloat16 (float32 sums in another order), a few ulps at the end
+    tol, weights_tol = (1e-5, 1e-5) if dtype == F32 else (3e-2, 1e-3)
+    torch.testing.assert_close(logits.float(), ref.logits.float(), rtol=tol, atol=tol)
+    for a, b in zip(depth_attentions, ref.depth_attentions, strict=True):
+        torch.testing.assert_close(a, b, rtol=weights_tol, atol=weights_tol)
+    if dtype == F32:
+        assert torch.equal(tokens, ref_tokens)                          # greedy decoding through the kernels
+
+
+def test_a_missing_triton_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(tri, "_kernels", None)
+    monkeypatch.setitem(sys.modules, "triton", None)                    # `import triton` raises ImportError
+    bank, partial, w, _ = make_case(1, (1,), 4, F32, F32)
+    with pytest.raises(RuntimeError, match=r"pip install triton.*torch path"):
+        tri.triton_mix_site(bank, partial, w.float(), EPS, F32)
+
+
+def test_mismatched_shapes_are_refused():
+    bank, partial, w, _ = make_case(2, (2,), 8, F32, F32)
+    with pytest.raises(ValueError, match=r"do not match partial \(2, 4\)"):
+        tri.triton_mix_site(bank, partial[..., :4], w[:4].float(), EPS, F32)
+    with pytest.raises(ValueError, match="must have 8 elements"):
+        tri.triton_mix_site(bank, partial, w[:4].float(), EPS, F32)
