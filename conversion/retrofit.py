@@ -9,14 +9,16 @@ FILE` also writes ONLY the depth parameters as a small safetensors file that `ap
 puts back on top of a fresh conversion of the same source.
 
     attnres-retrofit out/smollm2-attnres docs-corpus/ --out out/smollm2-retrofit \\
-        --export-depth depth.safetensors --steps 200 --seq-len 128 --batch-size 8
+        --export-depth depth.safetensors --steps 60 --seq-len 128 --batch-size 4
 
 The corpus is a text file or a folder of them (`--pattern`, default `*.txt`, `*.md`, `*.rst`),
 read in sorted order; a file is held out when `sha256(relative path) % 100 < --validation-percent`,
 and the held-out loss is reported before and after training. Checkpoints go to `--work-dir` every
 `--save-every` steps; `--resume` continues from the last one exactly (same batches, same result).
-Runs under `accelerate launch` (DDP or FSDP) unchanged: `--batch-size` is the global batch, split
-evenly over the processes, so the loss curve matches one process.
+Runs under `accelerate launch --multi_gpu --num_processes N` unchanged (DDP; gloo on CPUs):
+`--batch-size` is the global batch, split evenly over the processes, so the loss curve matches one
+process. FSDP goes through the Trainer's accelerate integration, which shards only on GPUs and other
+accelerators; on CPUs it is refused rather than silently run as DDP.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8, help="global batch (split over accelerate processes)")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (pseudo-query scores grow fast)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of seq-len tokens (0: all)")
     p.add_argument("--save-every", type=int, default=50)
@@ -235,7 +237,7 @@ def training_arguments(args, world_size: int):
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=args.warmup, weight_decay=0.0,
         adam_beta2=0.95, max_grad_norm=1.0, logging_steps=max(1, min(10, args.steps // 20)),
         save_steps=args.save_every, save_total_limit=2, report_to=[], seed=args.seed, data_seed=args.seed,
-        dataloader_drop_last=True, disable_tqdm=False, remove_unused_columns=False,
+        dataloader_drop_last=True, dataloader_pin_memory=False, disable_tqdm=False, remove_unused_columns=False,
         # Several processes without GPUs: DDP over gloo on the CPUs (accelerate would otherwise leave
         # each process training alone).
         use_cpu=world_size > 1 and not torch.cuda.is_available(),
