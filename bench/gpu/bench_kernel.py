@@ -1,11 +1,21 @@
-"""Kernel-level timing of the depth mix, against the bytes it must move (GPU, or CPU with --device cpu).
+"""The depth-attention kernels on a GPU: checked against the torch path, then timed against the bytes
+they must move.
 
-    python bench/gpu/bench_kernel.py            # bf16, hidden 4096, the shapes of a 32-layer model
-    python bench/gpu/bench_kernel.py --device cpu --dtype float32 --hidden-size 1024 --sources 8 --tokens 1 8 512
+    python bench/gpu/bench_kernel.py                        # hidden 4096, the H200 figures of the README
+    python bench/gpu/bench_kernel.py --tokens 1 4096 --sources 8 --bank-dtypes bfloat16
+    TRITON_INTERPRET=1 python bench/gpu/bench_kernel.py --device cpu --hidden-size 64 --tokens 1 4 \\
+        --sources 0 3 --iters 2          # a dry run of the whole script on a CPU (Triton's interpreter)
 
-One site reads the stored sources `[tokens, n, d]` and the partial `[tokens, d]` and writes the
-mix `[tokens, d]`; at best it is bandwidth-bound, so the table reports achieved GB/s for that byte
-count (an H200's HBM3e peaks near 4.8 TB/s) and the time per token.
+1. Check: `triton_mix_site` / `triton_push_source` against `depth_attention.mix_site` /
+   `push_source` (themselves tested against the float64 oracle) on this device, in float64 and in
+   every bank/partial/output dtype, with masked tails and the chunked kernel for wide rows. Any
+   mismatch makes the script exit 1, after the timings.
+2. Time one site: it reads the stored sources `[tokens, n, d]` (the bank's dtype) and their inverse
+   RMS, the partial `[tokens, d]` (float32) and writes the mix `[tokens, d]` (bfloat16). At best it is
+   bandwidth-bound, so each row gives the time those bytes take at the GPU's peak bandwidth (the
+   floor; an H200's HBM3e peaks near 4.8 TB/s) and how far the kernel is from it (target: within 2x
+   where the floor is long enough for bandwidth to matter), next to the torch path.
+3. Host time per call at one token, which is what eager decoding pays per site.
 """
 
 import argparse
@@ -16,53 +26,197 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from common import markdown_table  # noqa: E402
 
 from modeling_attnres.depth_attention import empty_bank, mix_site, push_source  # noqa: E402
+from modeling_attnres.depth_attention_triton import triton_mix_site, triton_push_source  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+EPS = 1e-6
 
 
-def time_site(tokens: int, n: int, d: int, dtype: torch.dtype, iters: int, device: str) -> float:
-    """Mean seconds per call of one site: `n` stored sources, `tokens` flat token rows."""
-    bank = empty_bank(torch.empty(tokens, d, device=device))
-    for _ in range(n):
-        bank = push_source(bank, torch.randn(tokens, d, device=device, dtype=dtype), 1e-6)
-    partial = torch.randn(tokens, d, device=device, dtype=dtype)
-    query = torch.randn(d, device=device, dtype=torch.float32)
-    with torch.inference_mode():
-        for _ in range(5):
-            mix_site(bank, partial, query, 1e-6, dtype)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            mix_site(bank, partial, query, 1e-6, dtype)
-        if device == "cuda":
-            torch.cuda.synchronize()
+def case(tokens: int, n: int, d: int, bank_dtype, part_dtype, device: str, seed: int = 0):
+    """A bank with room for one more source (`n` stored by the torch path), a partial, a query, a gain."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    partial = (torch.randn(tokens, d, generator=gen, device=device, dtype=torch.float32) * 3).to(part_dtype)
+    with torch.no_grad():
+        bank = empty_bank(partial, n + 1, bank_dtype)
+        for _ in range(n):
+            bank = push_source(bank, torch.randn(tokens, d, generator=gen, device=device) * 3, EPS)
+    query = torch.randn(d, generator=gen, device=device)
+    gain = 1 + 0.5 * torch.randn(d, generator=gen, device=device)
+    return bank, partial, query, gain
+
+
+def check(device: str) -> list[list]:
+    """Each kernel vs the torch path on this device: rows of (what, max error, tolerance, verdict)."""
+    rows = []
+    f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+    grid = [(t, n, d, f64, f64, f64) for t, n, d in [(3, 0, 7), (2, 1, 1), (5, 5, 300), (2, 33, 4096),
+                                                       (2, 4, 20000)]]           # 20000: the chunked kernel
+    grid += [(4, 5, 33, bank, part, out) for bank in (f32, bf16, f16) for part in (f32, bf16) for out in (f32, bf16)]
+    grid += [(64, 8, 4096, bf16, f32, bf16)]
+    with torch.no_grad():
+        for tokens, n, d, bank_dtype, part_dtype, out in grid:
+            bank, partial, query, gain = case(tokens, n, d, bank_dtype, part_dtype, device, seed=n + d)
+            query_dtype = f64 if part_dtype == f64 else f32
+            query, gain = query.to(query_dtype), gain.to(query_dtype)
+            got, w = triton_mix_site(bank, partial, query, EPS, out, keep_weights=True, gain=gain)
+            ref, ref_w = mix_site(bank, partial, query * gain, EPS, out, keep_weights=True)
+            # float64: 1e-12; float32 sums: 2e-6 of the largest source (the mix is a convex combination);
+            # an output rounded to bfloat16/float16: two units in its last place, relative
+            atol = 1e-12 if out == f64 else 2e-6 * max(float(partial.abs().max()), 1.0) * 4
+            rtol = 2 * torch.finfo(out).eps if out in (bf16, f16) else 0.0
+            # weights: a float32 score is a length-d dot product, good to ~sqrt(d) float32 ulps
+            w_atol = 1e-12 if out == f64 else 2e-6 * d**0.5
+            good = (torch.allclose(got.double(), ref.double(), rtol=rtol, atol=atol)
+                    and torch.allclose(w.double(), ref_w.double(), rtol=0, atol=w_atol))
+            err = float((got.double() - ref.double()).abs().max())
+            rows.append([f"mix {tokens}x{d}, n={n}, bank {bank_dtype}, partial {part_dtype}, out {out}",
+                         f"{err:.2e}", f"{atol:.0e} + {rtol:.0e} rel.", "ok" if good else "**MISMATCH**"])
+        for bank_dtype, part_dtype, n, d in [(f64, f64, 0, 7), (f32, f32, 3, 300), (bf16, f32, 3, 4096),
+                                             (f16, f32, 1, 33)]:
+            bank, partial, _, _ = case(3, n, d, bank_dtype, part_dtype, device, seed=7)
+            ref = push_source(type(bank)(bank.storage.clone(), bank.inv_storage.clone(), bank.num_stored), partial,
+                              EPS)
+            got = triton_push_source(bank, partial, EPS)
+            same = torch.equal(got.sources, ref.sources)
+            err = float((got.inv_rms.double() - ref.inv_rms.double()).abs().max())
+            tol = 1e-12 if bank_dtype == f64 else 1e-6
+            rows.append([f"push 3x{d}, n={n}, bank {bank_dtype}, partial {part_dtype}",
+                         f"{err:.2e}" + ("" if same else " (sources differ)"), f"{tol:.0e}",
+                         "ok" if same and err <= tol else "**MISMATCH**"])
+    return rows
+
+
+def device_seconds(fn, device: str, iters: int) -> float:
+    """Median seconds of `fn` on the device: Triton's do_bench on a GPU (CUDA events, the L2 cache
+    flushed before each run, so the bank really comes from memory), a plain loop on the CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=max(iters, 20), return_mode="median") / 1e3
+    fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
     return (time.perf_counter() - start) / iters
+
+
+def host_seconds(fn, device: str, iters: int) -> float:
+    """Seconds of host time per call, launches queued back to back (what eager decoding pays)."""
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    seconds = (time.perf_counter() - start) / iters
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return seconds
+
+
+def site_rows(args, bandwidth: float) -> tuple[list[list], list[float]]:
+    """Timed sites: rows for the table and the kernel's distance from the floor where bandwidth rules."""
+    rows, bound = [], []
+    d, out_dtype = args.hidden_size, torch.bfloat16
+    for bank_name in args.bank_dtypes:
+        bank_dtype = DTYPES[bank_name]
+        for tokens in args.tokens:
+            for n in args.sources:
+                bank, partial, query, _ = case(tokens, n, d, bank_dtype, torch.float32, args.device)
+                moved = tokens * (n * d * bank_dtype.itemsize + n * 4 + d * 4 + d * out_dtype.itemsize) + d * 4
+                floor = moved / bandwidth
+                with torch.no_grad():
+                    kernel = device_seconds(lambda: triton_mix_site(bank, partial, query, EPS, out_dtype),
+                                            args.device, args.iters)
+                    reference = device_seconds(lambda: mix_site(bank, partial, query, EPS, out_dtype), args.device,
+                                               args.iters)
+                if floor >= args.bound_us * 1e-6:
+                    bound.append(kernel / floor)
+                rows.append([bank_name, tokens, n, f"{moved / 2**20:.2f}", f"{floor * 1e6:.1f}",
+                             f"{kernel * 1e6:.1f}", f"**{kernel / floor:.2f}**", f"{moved / kernel / 1e9:.0f}",
+                             f"{reference * 1e6:.1f}", f"{reference / kernel:.1f}"])
+    return rows, bound
+
+
+def push_rows(args, bandwidth: float) -> list[list]:
+    rows = []
+    for bank_name in args.bank_dtypes:
+        bank_dtype = DTYPES[bank_name]
+        for tokens in args.tokens:
+            bank, partial, _, _ = case(tokens, 0, args.hidden_size, bank_dtype, torch.float32, args.device)
+            moved = tokens * (args.hidden_size * (4 + bank_dtype.itemsize) + 4)
+            with torch.no_grad():   # an empty bank with room for one: both store in place, again and again
+                kernel = device_seconds(lambda: triton_push_source(bank, partial, EPS), args.device, args.iters)
+                reference = device_seconds(lambda: push_source(bank, partial, EPS), args.device, args.iters)
+            rows.append([bank_name, tokens, f"{moved / 2**20:.2f}", f"{moved / bandwidth * 1e6:.1f}",
+                         f"{kernel * 1e6:.1f}", f"**{kernel / (moved / bandwidth):.2f}**", f"{reference * 1e6:.1f}"])
+    return rows
+
+
+def host_rows(args) -> list[list]:
+    rows = []
+    for n in (1, 8):
+        bank, partial, query, gain = case(1, n, args.hidden_size, torch.bfloat16, torch.float32, args.device)
+        proj = query.to(torch.bfloat16)[None]
+        with torch.no_grad():
+            calls = {
+                "site: torch path (fold + mix_site)": lambda: mix_site(bank, partial, proj.float()[0] * gain, EPS,
+                                                                       torch.bfloat16),
+                "site: Triton (query folded in the kernel)": lambda: triton_mix_site(bank, partial, proj, EPS,
+                                                                                     torch.bfloat16, gain=gain),
+            }
+            rows += [[name, n, f"{host_seconds(fn, args.device, 10 * args.iters) * 1e6:.1f}"]
+                     for name, fn in calls.items()]
+    return rows
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write): the practical ceiling."""
+    if device != "cuda":
+        return float("nan")
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / device_seconds(lambda: y.copy_(x), device, 100)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=4096)
-    parser.add_argument("--sources", type=int, nargs="+", default=[1, 4, 9, 17])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--sources", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096, 16384])
+    parser.add_argument("--bank-dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    parser.add_argument("--bandwidth-tbps", type=float, default=4.8, help="peak memory bandwidth (H200: 4.8)")
+    parser.add_argument("--bound-us", type=float, default=20.0,
+                        help="rows whose floor is at least this long count towards the 2x target")
+    parser.add_argument("--iters", type=int, default=100, help="ms of timing per row on a GPU (do_bench's rep)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    size = torch.finfo(dtype).bits // 8
-    rows = []
-    for tokens in args.tokens:
-        for n in args.sources:
-            seconds = time_site(tokens, n, args.hidden_size, dtype, args.iters, args.device)
-            # float32 bank (n sources), the partial in and the mix out in `dtype`
-            moved = tokens * args.hidden_size * (4 * n + 2 * size)
-            rows.append([tokens, n, f"{seconds * 1e6:.1f}", f"{moved / 2**20:.2f}", f"{moved / seconds / 1e9:.0f}",
-                         f"{seconds / tokens * 1e9:.0f}"])
-    name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{name}, {args.dtype}, hidden {args.hidden_size}\n")
-    print(markdown_table(["tokens", "stored sources", "us / site", "MiB moved", "GB/s", "ns / token"], rows))
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu runs the Triton kernels only under Triton's interpreter: set TRITON_INTERPRET=1")
+    bandwidth = args.bandwidth_tbps * 1e12
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton interpreter: a dry run)"
+    print(f"{name}, torch {torch.__version__}, hidden {args.hidden_size}\n")
+    checks = check(args.device)
+    print(markdown_table(["check vs the torch path", "max error", "tolerance", "verdict"], checks) + "\n")
+    rows, bound = site_rows(args, bandwidth)
+    print(f"One site (partial float32, mix bfloat16); floor = bytes / {args.bandwidth_tbps} TB/s; a large copy "
+          f"measured {copy_bandwidth(args.device) / 1e12:.2f} TB/s here.\n")
+    print(markdown_table(["bank", "tokens", "stored sources", "MiB moved", "floor us", "Triton us", "x floor",
+                          "GB/s", "torch us", "torch / Triton"], rows) + "\n")
+    if bound:
+        verdict = "met" if max(bound) <= 2 else "missed"
+        print(f"Rows with a floor >= {args.bound_us:g} us: Triton at {min(bound):.2f}-{max(bound):.2f}x the floor "
+              f"(target <= 2x: {verdict}).\n")
+    print(markdown_table(["push: bank", "tokens", "MiB moved", "floor us", "Triton us", "x floor", "torch us"],
+                         push_rows(args, bandwidth)) + "\n")
+    print(markdown_table(["host time per call, 1 token", "stored sources", "us"], host_rows(args)))
+    failed = [row[0] for row in checks if row[-1] != "ok"]
+    if failed:
+        sys.exit(f"\nFAILED: the Triton kernels disagree with the torch path on this device: {failed}")
 
 
 if __name__ == "__main__":
