@@ -1,5 +1,6 @@
 """The fused CPU kernel vs the float64 oracle and the torch reference, and when the model uses it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -226,3 +227,45 @@ def test_a_failed_build_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
     with pytest.raises(RuntimeError, match=r"C\+\+ compiler .* `ninja` .*ATTNRES_CPU_KERNEL"):
         cpu.enable_cpu_kernel()
+
+
+VLLM_WITH_KERNEL = """
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
+          max_model_len=64, seed=0)
+params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+outs = llm.generate([{"prompt_token_ids": ids} for ids in json.loads(sys.argv[2])], params, use_tqdm=False)
+print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_vllm_compiled_with_the_kernel_op_generates_the_torch_paths_tokens(tmp_path):
+    """An in-process vLLM engine, compiled (vLLM's piecewise CPU graphs), with ATTNRES_CPU_KERNEL=1: the
+    sites run as `attnres::mix_site` inside the graphs. In float32 the two paths' logits differ by
+    rounding (~1e-6), far below the gaps between a random model's top logits, so the greedy tokens
+    must equal those of the transformers model on the torch path exactly."""
+    from attnres.serving.random_model import write_tiny_checkpoint
+    from modeling_attnres import AttnResForCausalLM
+
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=5, attn_res_block_size=1)
+    prompts = [[5, 9, 14, 3, 7], [11, 4]]
+    cpu.enable_cpu_kernel(False)
+    try:
+        model = AttnResForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            expected = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+                        for p in prompts]
+    finally:
+        cpu.enable_cpu_kernel()
+    env = {**os.environ, "ATTNRES_CPU_KERNEL": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    log = tmp_path / "vllm.log"
+    with open(log, "w") as out:
+        done = subprocess.run([sys.executable, "-c", VLLM_WITH_KERNEL, str(path), json.dumps(prompts)], env=env,
+                              stdout=out, stderr=subprocess.STDOUT, timeout=800, start_new_session=True)
+    text = log.read_text()
+    assert done.returncode == 0, text[-4000:]
+    tokens = json.loads(next(line for line in text.splitlines() if line.startswith("TOKENS "))[7:])
+    assert tokens == expected
