@@ -138,7 +138,7 @@ def ran(tmp_path_factory):
     folder = tmp_path_factory.mktemp("triton")
     jobs = all_jobs()
     torch.save(jobs, folder / "jobs.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "ATTNRES_CPU_KERNEL": "0"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ATTNRES_CPU_KERNEL": "0", "ATTNRES_TRITON_KERNEL": "1"}
     code = (f"from tests.modeling_attnres.test_depth_attention_triton import _worker; "
             f"_worker({str(folder / 'jobs.pt')!r}, {str(folder / 'results.pt')!r})")
     with open(folder / "worker.log", "w") as log:
@@ -245,7 +245,7 @@ def test_the_dispatcher_picks_triton_for_inference_only(ran):
     assert results["backend_grad"] == "torch"            # autograd: the differentiable torch path
     assert results["backend_compiled"] == "torch"        # torch.compile fuses the torch code itself
     with torch.no_grad():
-        assert site_backend(torch.zeros(2, 4)) == "torch"   # here, without the interpreter: the CPU stays torch
+        assert site_backend(torch.zeros(2, 4)) != "triton"  # here, without the interpreter: never on the CPU
 
 
 def test_the_interpreter_switch_and_the_off_switch_are_read_when_deciding(monkeypatch):
