@@ -190,6 +190,7 @@ def main() -> None:
     with torch.inference_mode():
         enable_triton_kernel(True)
         backend = site_backend(torch.zeros(1, device=args.device))
+    backend = "the torch path, compiled by Inductor" if args.compiled else f"{backend} (eager)"
     print(f"{name}, torch {torch.__version__}, {args.dtype}, hidden {args.hidden_size}, {args.num_hidden_layers} "
           f"layers, block size {args.block_size}, vocab {args.vocab_size}; AttnRes sites in inference: {backend}"
           + ("" if args.compiled else f"; Triton vs torch-path logits agree to "

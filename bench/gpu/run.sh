@@ -33,8 +33,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep its output
   echo
 }
 
-step gpu 30 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-step versions 60 "$python" -c "import torch, transformers, triton
+step gpu 20 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+step versions 40 "$python" -c "import torch, transformers, triton
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'triton',
       triton.__version__)
 assert torch.cuda.is_available(), 'torch sees no GPU'"
@@ -43,9 +43,10 @@ assert torch.cuda.is_available(), 'torch sees no GPU'"
 step kernel 150 "$python" bench/gpu/bench_kernel.py
 # ~2 min: Llama-3-8B shapes, AttnRes block size 4 (8 blocks), both AttnRes backends vs Llama, eager
 step transformers 180 "$python" bench/gpu/bench_models.py
-# ~2 min: compiled (Inductor), 8 layers to bound compile time, decode batch 1
+# ~2-3 min: compiled (Inductor, compile time included in the step), 8 layers to bound compile time;
+# block size 1 keeps the 32-layer run's bank (up to 9 stored sources per site); decode batch 1
 step transformers-compiled 180 "$python" bench/gpu/bench_models.py --compiled --num-hidden-layers 8 \
-  --prefill-tokens 1024 --decode-batches 1 --repeats 3
+  --block-size 1 --prefill-tokens 1024 --decode-batches 1 --repeats 3
 left=$((570 - (SECONDS - start)))   # the whole run stays under the device's 10-minute limit
 if ! "$python" -c "import vllm" >/dev/null 2>&1; then
   echo "vLLM is not installed on this machine: its ratio is not measured." | tee "$out/vllm.md"
