@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .configuration_attnres import AttnResConfig
 from .depth_attention import fold_queries, mix_site
 from .depth_attention_cpu import enable_cpu_kernel
+from .depth_attention_triton import enable_triton_kernel
 from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel
 
 
@@ -22,4 +23,4 @@ def _register() -> None:
 _register()
 
 __all__ = ["AttnResConfig", "AttnResModel", "AttnResForCausalLM", "AttnResPreTrainedModel", "enable_cpu_kernel",
-           "fold_queries", "mix_site"]
+           "enable_triton_kernel", "fold_queries", "mix_site"]
