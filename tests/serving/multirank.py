@@ -1,0 +1,243 @@
+"""Every multi-rank vLLM engine of the test suite, started one after another in ONE subprocess.
+
+Tensor- and pipeline-parallel engines spawn their worker processes, so the script that creates them
+needs an `if __name__ == "__main__":` guard and cannot live in the pytest process; each engine
+start costs tens of seconds on 2 cores (the workers import vLLM). `results()` therefore writes the
+checkpoints, runs this file once as a script (its own session, output to a file, killed at the end,
+with a timeout) and returns what every engine generated, memoised for the whole pytest session;
+`test_pipeline_parallel.py` and `test_tensor_parallel.py` compare that with transformers, computed
+in the test process (`reference`).
+
+Engines (two CPU ranks, one core each: `VLLM_CPU_OMP_THREADS_BIND="0|1"`, the `mp` executor), in
+this order so that the control comes first:
+- `llama-pp2`: vLLM's own Llama at PP=2, the control that tells an engine failure from ours;
+- `block-pp2-on` / `block-pp2-off`: Block AttnRes (5 layers, blocks of 2) at PP=2, the second stage
+  starting at layer 2 (where a block closes) and at layer 3 (mid-block);
+- `full-pp2-server`: Full AttnRes with tied embeddings at PP=2 behind `attnres-serve`'s OpenAI
+  server, compiled (Dynamo), the PP worker added by `attnres-serve` itself;
+- `block-tp2`: Block AttnRes at TP=2;
+- `block-1rank`: the same checkpoint on one rank, in-process.
+"""
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 8
+PROMPT_INDICES = (0, 2, 4)  # of test_parity.PROMPTS: lengths 1, 7 and 19
+ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, seed=0)
+PP_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
+CHECKPOINTS = {
+    "block": dict(seed=21, num_hidden_layers=5, attn_res_block_size=2),
+    "full": dict(seed=22, num_hidden_layers=3, attn_res_mode="full", tie_word_embeddings=True),
+}
+ENGINES = {   # name -> (checkpoint, engine kwargs, VLLM_PP_LAYER_PARTITION or None)
+    "llama-pp2": ("llama", dict(pipeline_parallel_size=2), None),
+    "block-pp2-on": ("block", dict(pipeline_parallel_size=2), "2,3"),
+    "block-pp2-off": ("block", dict(pipeline_parallel_size=2), "3,2"),
+    "block-tp2": ("block", dict(tensor_parallel_size=2), None),
+}
+SERVER = ("full-pp2-server", "full")
+ONE_RANK = ("block-1rank", "block")
+SCRIPT_TIMEOUT = 1500
+
+
+def prompts() -> list[list[int]]:
+    from tests.serving.test_parity import PROMPTS
+
+    return [PROMPTS[i] for i in PROMPT_INDICES]
+
+
+# --- in the test process ---------------------------------------------------------------------------
+
+def write_checkpoints(root: Path) -> dict[str, Path]:
+    """The tiny float32 checkpoints every engine serves (even head counts: TP=2 splits them)."""
+    from attnres.serving.random_model import RANDOM_CONFIG, make_tokenizer, write_tiny_checkpoint
+
+    paths = {name: write_tiny_checkpoint(root / name, **fields) for name, fields in CHECKPOINTS.items()}
+    paths["llama"] = write_llama_checkpoint(root / "llama", RANDOM_CONFIG, make_tokenizer())
+    return paths
+
+
+def write_llama_checkpoint(path: Path, fields: dict, tokenizer) -> Path:
+    """A random `LlamaForCausalLM` of the tiny AttnRes model's sizes (the PP control)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(23)
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range")
+    config = LlamaConfig(**{k: fields[k] for k in keep}, vocab_size=len(tokenizer), pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def run_script(workdir: Path, paths: dict[str, Path]) -> dict:
+    """Run this file as a script over `paths`; returns `{engine: [(tokens, top logprobs)] or error}`."""
+    (workdir / "paths.json").write_text(json.dumps({k: str(v) for k, v in paths.items()}))
+    log = workdir / "engines.log"
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, __file__, str(workdir)], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc.wait(timeout=SCRIPT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        stop_group(proc.pid)
+        server_pgid = workdir / "server.pgid"
+        if server_pgid.exists():                                       # a server outliving a killed script
+            stop_group(int(server_pgid.read_text()))
+    results = json.loads((workdir / "results.json").read_text()) if (workdir / "results.json").exists() else {}
+    results["_log"] = log.read_text(errors="replace")[-8000:]
+    return results
+
+
+def stop_group(pgid: int) -> None:
+    """SIGTERM a process group, then SIGKILL what is left."""
+    for sig, pause in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.2)
+
+
+_SESSION: dict = {}
+
+
+def results(tmp_path_factory) -> tuple[dict, dict[str, Path]]:
+    """`(engine results, checkpoint paths)`, computed once per pytest session."""
+    if not _SESSION:
+        root = tmp_path_factory.mktemp("multirank")
+        paths = write_checkpoints(root)
+        _SESSION["value"] = (run_script(root, paths), paths)
+    return _SESSION["value"]
+
+
+@functools.cache
+def reference(path: Path, llama: bool = False) -> list[tuple[list[int], list[torch.Tensor], float]]:
+    """transformers' greedy tokens, float64 log-softmax and own float32 error per prompt (as test_parity)."""
+    from tests.serving.engine import hf_greedy, load_hf
+    from tests.serving.test_parity import reference_logprobs
+
+    if llama:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    else:
+        model = load_hf(path)
+    out = []
+    for prompt in prompts():
+        tokens, fp32 = hf_greedy(model, prompt, STEPS)
+        exact = reference_logprobs(model, prompt, tokens)
+        error = max(float((a.double() - b).abs().max()) for a, b in zip(fp32, exact))
+        out.append((tokens, exact, error))
+    return out
+
+
+def assert_matches(name: str, got: list, ref: list, base_atol: float) -> None:
+    """Greedy tokens equal transformers'; every returned logprob within `base_atol` plus twice
+    transformers' own float32 error of the float64 reference (the rule of test_parity.assert_parity)."""
+    assert len(got) == len(ref), f"{name}: {len(got)} outputs for {len(ref)} prompts"
+    for i, ((tokens, top), (ref_tokens, exact, error)) in enumerate(zip(got, ref)):
+        assert tokens == ref_tokens, f"{name}, prompt {i}: vLLM {tokens} != transformers {ref_tokens}"
+        atol = base_atol + 2 * error
+        for step, (lps, want) in enumerate(zip(top, exact)):
+            assert len(lps) >= 5, f"{name}, prompt {i} step {step}: {len(lps)} logprobs"
+            for token, logprob in lps.items():
+                assert abs(logprob - float(want[int(token)])) <= atol, (
+                    f"{name}, prompt {i} step {step}, token {token}: {logprob} != {float(want[int(token)])} "
+                    f"(atol {atol:.1e})")
+
+
+# --- in the subprocess -------------------------------------------------------------------------------
+
+def generate_offline(path: str, kwargs: dict) -> list:
+    """Start an engine, generate greedily for `prompts()` with top-5 logprobs, shut it down."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.serving.engine import free_llm, make_llm
+
+    llm = make_llm(Path(path), enforce_eager=True, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids),
+                 [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in outs]
+    finally:
+        free_llm(llm)
+
+
+def generate_server(path: str, workdir: Path) -> list:
+    """`attnres-serve PATH -pp 2` (compiled with Dynamo only), one completions request for all prompts."""
+    import urllib.request
+
+    from attnres.serving.launcher import ServerProcess
+
+    args = [path, "-pp", "2", "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "64M",
+            "-cc", json.dumps({"mode": 2, "backend": "eager"})]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": None}                    # the server's usual processes
+    with ServerProcess(args, env=env, startup_timeout=600, log_path=workdir / "server.log") as server:
+        (workdir / "server.pgid").write_text(str(server.proc.pid))
+        body = dict(model=path, prompt=prompts(), max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True,
+                    return_tokens_as_token_ids=True)
+        request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choices = sorted(json.load(response)["choices"], key=lambda c: c["index"])
+    token_id = lambda s: s.removeprefix("token_id:")                  # noqa: E731
+    return [([int(token_id(t)) for t in c["logprobs"]["tokens"]],
+             [{token_id(t): lp for t, lp in step.items()} for step in c["logprobs"]["top_logprobs"]])
+            for c in choices]
+
+
+def main(workdir: Path) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))          # unwind: stop the server's group
+    paths = json.loads((workdir / "paths.json").read_text())
+    done: dict = {}
+
+    def record(name: str, run) -> None:
+        began = time.monotonic()
+        try:
+            done[name] = {"outputs": run(), "seconds": round(time.monotonic() - began, 1)}
+        except Exception as exc:                                       # the others still run
+            done[name] = {"error": f"{type(exc).__name__}: {exc}"[-4000:]}
+        print(f"=== {name}: {done[name].get('seconds', 'FAILED')}", flush=True)
+        tmp = workdir / "results.json.tmp"
+        tmp.write_text(json.dumps(done))
+        os.replace(tmp, workdir / "results.json")
+
+    for name, (checkpoint, kwargs, partition) in ENGINES.items():
+        os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+        if partition:
+            os.environ["VLLM_PP_LAYER_PARTITION"] = partition
+        extra = {"worker_cls": PP_WORKER} if kwargs.get("pipeline_parallel_size", 1) > 1 else {}
+        record(name, lambda: generate_offline(paths[checkpoint], dict(distributed_executor_backend="mp",
+                                                                      **kwargs, **extra)))
+    os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+    record(SERVER[0], lambda: generate_server(paths[SERVER[1]], workdir))
+    record(ONE_RANK[0], lambda: generate_offline(paths[ONE_RANK[1]], {}))
+
+
+if __name__ == "__main__":      # workers are spawned: the entry point must be guarded
+    main(Path(sys.argv[1]))
