@@ -19,6 +19,7 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 
 import importlib.metadata
 import os
+import socket
 import sys
 
 from attnres.conversion import ConversionError
@@ -114,6 +115,48 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
     return head + args + extra
 
 
+def startup_problem(vllm_args: list[str]) -> str | None:
+    """Why `vllm vllm_args` cannot start, in one line, for the mistakes vLLM reports only after tens of
+    seconds of imports and as a traceback: a local model path that does not exist (or holds no
+    config.json) and a port that is already taken. `None` when neither applies."""
+    if not vllm_args or vllm_args[0] != "serve" or has_option(vllm_args, "-h", "--help"):
+        return None
+
+    def value(name: str, default: str | None = None) -> str | None:
+        found = default
+        for i, arg in enumerate(vllm_args):
+            if arg == name and i + 1 < len(vllm_args):
+                found = vllm_args[i + 1]
+            elif arg.startswith(name + "="):
+                found = arg[len(name) + 1:]
+        return found
+
+    model = vllm_args[1] if len(vllm_args) > 1 and not vllm_args[1].startswith("-") else value("--model")
+    if model:
+        path = os.path.expanduser(model)
+        local = os.path.isabs(path) or model.startswith((".", "~")) or model.count("/") > 1
+        if local and not os.path.exists(path):
+            return (f"model path {model!r} does not exist; pass a checkpoint directory (config.json and "
+                    "weights) or a Hugging Face repo id")
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+            return f"model directory {model!r} has no config.json; pass the directory that holds the checkpoint"
+    if has_option(vllm_args, "--uds"):
+        return None
+    host, port = value("--host", DEFAULT_HOST), value("--port", "8000")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    except (OSError, ValueError, UnicodeError):
+        return None                                                    # vLLM reports bad hosts and ports
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as vLLM binds: TIME_WAIT is no conflict
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return (f"cannot listen on {host}:{port} ({exc.strerror}); stop what holds it or pass --port "
+                    "with a free port")
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `attnres-serve`: build the `vllm serve` command line and run vLLM's CLI."""
     args = sys.argv[1:] if argv is None else argv
@@ -123,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = ["attnres-serve", *serve_argv(args, cpu, vllm_version=version)]
     except (DefaultModelUnavailable, ConversionError) as err:      # a `builtin:` model asked for by name
         raise SystemExit(f"attnres-serve: error: {' '.join(str(err).split())}") from None
+    problem = startup_problem(sys.argv[1:])
+    if problem:
+        raise SystemExit(f"attnres-serve: error: {problem}")   # one line, exit status 1
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

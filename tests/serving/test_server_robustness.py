@@ -1,0 +1,325 @@
+"""The served BPE model under bad input, load and shutdown: one `attnres-serve` process for the module.
+
+It serves the repository's trained `models/attnres-tiny` (byte-level BPE) compiled, as `make serve`
+ships it. Every bad request must get a 400 naming the problem (or, for a request longer than the
+context, a clean clamp) and leave the server serving; streamed text must equal the non-streamed text
+and be valid UTF-8 even where a character is split across tokens; 64 concurrent clients mixing
+streaming and non-streaming get no error and the server's memory stays bounded; SIGTERM alone stops
+it with status 0 and no process left behind. Start-up mistakes (a missing model path, a busy port)
+give one line and a non-zero status without starting anything.
+"""
+
+import asyncio
+import http.client
+import json
+import re
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from attnres.serving.launcher import ServerProcess, group_members, serve_command
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "attnres-tiny"
+SERVED = "attnres-tiny"
+MAX_MODEL_LEN = json.loads((MODEL / "config.json").read_text())["max_position_embeddings"]
+VOCAB_SIZE = json.loads((MODEL / "config.json").read_text())["vocab_size"]
+MAX_LOGPROBS = 20                                                  # vLLM's default --max-logprobs
+# `--shutdown-timeout`: on SIGTERM, requests in flight get that long to finish. With vLLM's default (0)
+# the engine is killed under them and vLLM 0.32's API server never ends those responses nor exits.
+SHUTDOWN_TIMEOUT = 8
+SERVER_ARGS = [str(MODEL), "--served-model-name", SERVED, "--kv-cache-memory-bytes", "64M", "--seed", "0",
+               "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+MULTIBYTE_PROMPT = "Grüße aus Köln — naïve café, 你好 🙂"
+# Characters of 2, 3 and 4 UTF-8 bytes: structured output forces them, so the model emits byte tokens.
+MULTIBYTE_REGEX = "[äöüß€你好🙂]{6}"
+SOAK_CLIENTS, SOAK_ROUNDS, SOAK_TOKENS = 64, 3, 16
+SOAK_RSS_LIMIT = 256 << 20          # generous: allocator noise of a ~2 GiB process group is a few MiB
+# The first test that uses the server also pays for its start (a cold compile: minutes on a loaded machine).
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The compiled server; the last test stops it with SIGTERM (teardown only cleans up after a failure)."""
+    # As shipped: the engine core in its own process (the package's in-process engine setting is for
+    # offline engines in the pytest process).
+    proc = ServerProcess(SERVER_ARGS, env={"VLLM_ENABLE_V1_MULTIPROCESSING": None}, startup_timeout=600)
+    proc.start()
+    print(f"attnres-serve (compiled {MODEL.name}) healthy after {proc.startup_seconds:.1f} s")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(server, path: str, body) -> tuple[int, dict]:
+    """POST `body` (a dict as JSON, or a raw string sent as is); returns the status and the JSON answer."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    try:
+        data = body if isinstance(body, str) else json.dumps(body)
+        conn.request("POST", path, body=data.encode(), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def assert_still_serving(server, client) -> None:
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+        assert response.status == 200
+    done = client.completions.create(model=SERVED, prompt="def main(", max_tokens=4, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+
+
+def byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's printable stand-ins for the 256 bytes), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+@pytest.fixture(scope="module")
+def token_bytes():
+    """`token_bytes(ids) -> bytes`, read from tokenizer.json alone (not through vLLM or transformers)."""
+    spec = json.loads((MODEL / "tokenizer.json").read_text())
+    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    pieces = {i: tok for tok, i in spec["model"]["vocab"].items()}
+    decoder = byte_decoder()
+    return lambda ids: b"".join(bytes(decoder[c] for c in pieces[i]) for i in ids if i not in special)
+
+
+def split_tokens(ids: list[int], token_bytes) -> list[int]:
+    """The tokens that are not valid UTF-8 on their own: pieces of a character split across tokens."""
+    def invalid(i: int) -> bool:
+        try:
+            token_bytes([i]).decode("utf-8")
+            return False
+        except UnicodeDecodeError:
+            return True
+    return [i for i in ids if invalid(i)]
+
+
+# --- start-up mistakes: one line, non-zero status, nothing started ------------------------------------
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*serve_command(), *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnres-serve: error:"), done.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_unknown_model_path_is_one_line_and_nonzero(tmp_path):
+    missing = tmp_path / "no" / "such-model"
+    assert_one_line_error(run_serve(str(missing), "--port", "0"), str(missing), "does not exist")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(run_serve(str(empty), "--port", "0"), str(empty), "config.json")
+
+
+def test_busy_port_is_one_line_and_nonzero():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = run_serve(str(MODEL), "--host", "127.0.0.1", "--port", str(port))
+    assert_one_line_error(done, f"127.0.0.1:{port}", "in use")
+
+
+# --- bad requests: a 400 that names the problem, and the server keeps serving -------------------------
+
+BAD_REQUESTS = {
+    "malformed-json": ("/v1/completions", '{"model": "attnres-tiny", "prompt": "hi", ', "JSON decode error"),
+    "not-json": ("/v1/chat/completions", "hello", "JSON decode error"),
+    "max_tokens-type": ("/v1/completions", {"prompt": "hi", "max_tokens": "abc"}, "max_tokens"),
+    "temperature-type": ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    "prompt-type": ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
+    "messages-type": ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    "empty-prompt": ("/v1/completions", {"prompt": ""}, "non-empty"),
+    "empty-messages": ("/v1/chat/completions", {"messages": []}, "empty conversation"),
+    "id-at-vocab": ("/v1/completions", {"prompt": [17, 42, VOCAB_SIZE]}, f"Token id {VOCAB_SIZE} is out of vocabulary"),
+    "id-negative": ("/v1/completions", {"prompt": [17, -1]}, "greater than or equal to 0"),
+    "prompt-over-context": ("/v1/completions", {"prompt": [300] * (MAX_MODEL_LEN + 10)},
+                            f"maximum context length is {MAX_MODEL_LEN}"),
+    "prompt-fills-context": ("/v1/completions", {"prompt": [300] * MAX_MODEL_LEN}, "max_tokens"),
+    "logprobs": ("/v1/completions", {"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, f"max allowed: {MAX_LOGPROBS}"),
+    "prompt_logprobs": ("/v1/completions", {"prompt": "hi", "prompt_logprobs": MAX_LOGPROBS + 1},
+                        f"max allowed: {MAX_LOGPROBS}"),
+    "top_logprobs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                              "top_logprobs": MAX_LOGPROBS + 1}, f"max allowed: {MAX_LOGPROBS}"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_400_and_server_keeps_serving(server, client, case):
+    path, body, says = BAD_REQUESTS[case]
+    if isinstance(body, dict):
+        body = {"model": SERVED, "max_tokens": 4, **body}
+    status, answer = post(server, path, body)
+    assert status == 400, answer
+    assert says in answer["error"]["message"], answer
+    assert_still_serving(server, client)
+
+
+def test_prompt_plus_max_tokens_over_context_is_clamped(server, client):
+    """vLLM 0.32 shortens max_tokens to what the context leaves (earlier versions answered 400)."""
+    prompt = [300] * (MAX_MODEL_LEN - 40)
+    status, answer = post(server, "/v1/completions", {"model": SERVED, "prompt": prompt, "max_tokens": 100,
+                                                      "ignore_eos": True})
+    assert status == 200, answer
+    assert answer["usage"] == {**answer["usage"], "prompt_tokens": len(prompt), "completion_tokens": 40,
+                               "total_tokens": MAX_MODEL_LEN}
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert post(server, "/v1/completions", {"model": SERVED, "prompt": "hi", "max_tokens": 2,
+                                            "logprobs": MAX_LOGPROBS})[0] == 200      # the limit itself is fine
+    assert_still_serving(server, client)
+
+
+# --- UTF-8: prompts in, characters split across tokens out ---------------------------------------------
+
+def test_multibyte_prompt_is_tokenized_and_echoed_exactly(server, client, token_bytes):
+    from tokenizers import Tokenizer
+
+    expected = Tokenizer.from_file(str(MODEL / "tokenizer.json")).encode(MULTIBYTE_PROMPT).ids
+    assert split_tokens(expected, token_bytes), "the prompt should split a character across tokens"
+    kwargs = dict(model=SERVED, prompt=MULTIBYTE_PROMPT, max_tokens=8, temperature=0.0)
+    done = client.completions.create(**kwargs, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert done.choices[0].prompt_token_ids == expected and done.usage.prompt_tokens == len(expected)
+    # (vLLM 0.32 leaves the echo out when token ids are returned: two requests.)
+    echoed = client.completions.create(**kwargs, echo=True, extra_body={"ignore_eos": True}).choices[0].text
+    assert echoed == MULTIBYTE_PROMPT + done.choices[0].text, echoed
+    streamed = client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+
+
+def check_multibyte_output(text: str, streamed: list[str], ids: list[int], token_bytes) -> None:
+    assert "".join(streamed) == text, (streamed, text)
+    assert "\ufffd" not in text and re.fullmatch(MULTIBYTE_REGEX, text), text
+    assert token_bytes(ids).decode("utf-8") == text                   # strict: valid UTF-8, same characters
+    assert split_tokens(ids, token_bytes), f"no character was split across tokens: {ids}"
+
+
+def test_multibyte_output_streams_whole_characters_completion(client, token_bytes):
+    kwargs = dict(model=SERVED, prompt="Grüße", max_tokens=24, temperature=0.0,
+                  extra_body={"structured_outputs": {"regex": MULTIBYTE_REGEX}, "return_token_ids": True})
+    full = client.completions.create(**kwargs).choices[0]
+    streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    check_multibyte_output(full.text, streamed, full.token_ids, token_bytes)
+
+
+def test_multibyte_output_streams_whole_characters_chat(client, token_bytes):
+    kwargs = dict(model=SERVED, messages=[{"role": "user", "content": "Schreib: Grüße, 你好 🙂"}], max_tokens=24,
+                  temperature=0.0, extra_body={"structured_outputs": {"regex": MULTIBYTE_REGEX},
+                                               "return_token_ids": True})
+    full = client.chat.completions.create(**kwargs).choices[0]
+    streamed = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                if c.choices]
+    check_multibyte_output(full.message.content, streamed, full.token_ids, token_bytes)
+
+
+# --- a client that goes away mid-stream -----------------------------------------------------------------
+
+def metric(server, name: str) -> float:
+    """Sum of a Prometheus counter or gauge over its labels, from `/metrics`."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(server, client):
+    n, max_tokens = 4, MAX_MODEL_LEN - 16
+    before = metric(server, "vllm:generation_tokens_total")
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    body = {"model": SERVED, "prompt": "def f(", "max_tokens": max_tokens, "n": n, "ignore_eos": True,
+            "stream": True, "logprobs": MAX_LOGPROBS}                # logprobs slow each step down
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")                 # generation has begun
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 60
+    while metric(server, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    generated = metric(server, "vllm:generation_tokens_total") - before
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert generated < n * max_tokens / 2, f"{generated} tokens generated: the request ran on after the disconnect"
+    assert_still_serving(server, client)
+
+
+# --- load: 64 concurrent clients, streaming and not, memory bounded ----------------------------------
+
+async def soak_round(url: str, clients: int, max_tokens: int) -> list[str]:
+    """One request per client, odd clients streaming; returns the errors (exceptions, wrong lengths)."""
+    api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    prompts = ["def fibonacci(n):", "import os\n", "class Parser:", "Grüße, 你好 🙂", "for i in range("]
+
+    async def one(i: int) -> str | None:
+        kwargs = dict(model=SERVED, prompt=prompts[i % len(prompts)], max_tokens=max_tokens, temperature=0.0,
+                      extra_body={"ignore_eos": True})
+        if i % 2:
+            stream = await api.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+            usage = [chunk.usage async for chunk in stream if chunk.usage][-1]
+        else:
+            usage = (await api.completions.create(**kwargs)).usage
+        return None if usage.completion_tokens == max_tokens else f"client {i}: {usage.completion_tokens} tokens"
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(clients)), return_exceptions=True)
+    finally:
+        await api.close()
+    return [repr(r) if isinstance(r, BaseException) else r for r in results if r is not None]
+
+
+@pytest.mark.timeout(400)
+def test_soak_64_concurrent_clients_no_errors_and_bounded_memory(server, client):
+    asyncio.run(soak_round(server.url, SOAK_CLIENTS, SOAK_TOKENS))      # warm-up: first-use allocations
+    rss = [server.rss_bytes()]
+    for _ in range(SOAK_ROUNDS):
+        errors = asyncio.run(soak_round(server.url, SOAK_CLIENTS, SOAK_TOKENS))
+        assert errors == [], errors[:5]
+        rss.append(server.rss_bytes())
+    print("server RSS per round (MiB):", [round(r / 2**20) for r in rss])
+    assert rss[0] > 0 and max(rss) - rss[0] < SOAK_RSS_LIMIT, [round(r / 2**20) for r in rss]
+    assert_still_serving(server, client)
+
+
+# --- shutdown: runs last in this module -------------------------------------------------------------
+
+def test_sigterm_alone_stops_the_server_with_status_0_and_no_process_left(server):
+    """A stream is in flight when SIGTERM arrives: it runs to its end (within `--shutdown-timeout`),
+    then the server exits with status 0 and leaves no process behind."""
+    pgid = server.proc.pid
+    assert len(group_members(pgid)) >= 2                               # API server and engine core at least
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    body = {"model": SERVED, "prompt": "def f(", "max_tokens": 64, "n": 2, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.readline().startswith(b"data: ")                 # generation has begun
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(response), daemon=True)
+    reader.start()
+    shutdown = server.stop()                                          # SIGTERM, then wait (SIGKILL only if needed)
+    reader.join(timeout=30)
+    conn.close()
+    assert shutdown.returncode == 0, server.log_tail()
+    assert shutdown.survivors == [], f"processes left after SIGTERM: {shutdown.survivors}"
+    assert shutdown.graceful and group_members(pgid) == []
+    events = [line for line in received if line.startswith(b"data: ")]
+    assert events and events[-1].strip() == b"data: [DONE]", events[-3:]
