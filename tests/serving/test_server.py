@@ -5,20 +5,16 @@ checked against transformers on the same checkpoint.
 """
 
 import concurrent.futures
-import os
-import time
 import urllib.request
 
+import openai
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-openai = pytest.importorskip("openai")
-
-from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME  # noqa: E402
-from attnres.serving.launcher import ServerProcess  # noqa: E402
-from attnres.serving.random_model import ensure_random_model  # noqa: E402
-from tests.serving.engine import hf_greedy, load_hf  # noqa: E402
+from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME
+from attnres.serving.launcher import ServerProcess, group_members
+from attnres.serving.random_model import ensure_random_model
+from tests.serving.engine import hf_greedy, load_hf
 
 MAX_MODEL_LEN = 128
 MAX_TOKENS = 8
@@ -37,27 +33,14 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cache_dir):
-    """The running server (started once for the module, its process group killed at the end)."""
+    """The running server (started once for the module). The last test stops it with SIGTERM and checks
+    that this sufficed; the teardown only cleans up (SIGKILL included) after a failure."""
     env = {"ATTNRES_CACHE_DIR": str(cache_dir), "VLLM_ENABLE_V1_MULTIPROCESSING": None}
     proc = ServerProcess(SERVER_ARGS, env=env, startup_timeout=420)
     proc.start()
     print(f"attnres-serve healthy after {proc.startup_seconds:.1f} s")
     yield proc
-    pgid = proc.proc.pid
     proc.stop()
-    assert group_gone(pgid), "processes of the server's group survived stop()"
-
-
-def group_gone(pgid: int, wait: float = 15.0) -> bool:
-    """Whether no process of group `pgid` is left (orphans are reaped by init a little later)."""
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.5)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +49,18 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def reference(cache_dir):
-    """`greedy(token_ids) -> next MAX_TOKENS token ids` from transformers, and the tokenizer."""
+def hf(cache_dir):
+    """The served checkpoint's transformers model (float32) and tokenizer."""
     from transformers import AutoTokenizer
 
     path = ensure_random_model(cache_dir)
-    model, tokenizer = load_hf(path), AutoTokenizer.from_pretrained(path)
+    return load_hf(path), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def reference(hf):
+    """`greedy(token_ids) -> next MAX_TOKENS token ids` from transformers, and the tokenizer."""
+    model, tokenizer = hf
     cache = {}
 
     def greedy(ids: list[int]) -> list[int]:
@@ -109,7 +98,8 @@ def test_completion_matches_transformers(client, reference):
 def test_chat_uses_the_chat_template(client, reference):
     greedy, tokenizer = reference
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
     assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
     response = client.chat.completions.create(model=RANDOM_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
                                               temperature=0.0, extra_body=NO_EOS)
@@ -133,14 +123,36 @@ def test_streaming_completion_and_chat(client, reference):
     assert len(deltas) >= 2 and "".join(deltas) == full
 
 
-def test_n_and_sampling_parameters(client):
-    kwargs = dict(model=RANDOM_SERVED_NAME, prompt="Sample", max_tokens=6, n=3, temperature=1.0, top_p=0.9,
-                  seed=7, extra_body={**NO_EOS, "top_k": 20}, logprobs=2)
+def allowed_tokens(model, ids: list[int], temperature: float, top_k: int, top_p: float) -> set[int]:
+    """The tokens that top-k then top-p sampling at `temperature` can draw after `ids` (transformers,
+    float32), with a little slack at the nucleus edge for float rounding."""
+    with torch.no_grad():
+        probs = (model(torch.tensor([ids])).logits[0, -1].float() / temperature).softmax(-1)
+    order = probs.argsort(descending=True)[:top_k]
+    kept = probs[order] / probs[order].sum()
+    before = kept.cumsum(0) - kept                                      # mass of the tokens ranked above
+    return {int(t) for t, mass in zip(order, before) if mass < top_p + 1e-3}
+
+
+def test_n_and_sampling_parameters(client, hf):
+    """n=3 seeded samples at a temperature where they must differ: not all equal, each token one that
+    top-k/top-p allow (checked against transformers), and the same seed repeats them."""
+    model, tokenizer = hf
+    temperature, top_k, top_p, steps = 1.5, 20, 0.95, 6
+    kwargs = dict(model=RANDOM_SERVED_NAME, prompt="Sample", max_tokens=steps, n=3, temperature=temperature,
+                  top_p=top_p, seed=7, extra_body={**NO_EOS, "top_k": top_k, "return_token_ids": True}, logprobs=2)
     first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
-    assert all(len(c.logprobs.tokens) == 6 for c in first.choices)
-    assert [c.text for c in first.choices] == [c.text for c in again.choices], "seeded sampling must repeat"
-    assert first.usage.completion_tokens == 18
+    assert all(len(c.logprobs.tokens) == steps and len(c.token_ids) == steps for c in first.choices)
+    assert len({tuple(c.token_ids) for c in first.choices}) > 1, "three samples at temperature 1.5 all equal"
+    prompt = tokenizer("Sample")["input_ids"]
+    for choice in first.choices:
+        for i, token in enumerate(choice.token_ids):
+            allowed = allowed_tokens(model, prompt + choice.token_ids[:i], temperature, top_k, top_p)
+            assert token in allowed, (choice.index, i, token, sorted(allowed))
+    by_index = {c.index: c.token_ids for c in again.choices}
+    assert all(by_index[c.index] == c.token_ids for c in first.choices), "seeded sampling must repeat"
+    assert first.usage.completion_tokens == 3 * steps
 
 
 def test_32_concurrent_requests_all_correct(client, reference):
@@ -178,3 +190,12 @@ def test_unknown_model_gets_404_and_server_keeps_serving(server, client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     assert_still_serving(server, client)
+
+
+def test_sigterm_alone_stops_the_server_with_status_0_and_no_process_left(server):
+    """Runs last in this module."""
+    pgid = server.proc.pid
+    shutdown = server.stop()
+    assert shutdown.returncode == 0, server.log_tail()
+    assert shutdown.survivors == [], f"processes left after SIGTERM: {shutdown.survivors}"
+    assert group_members(pgid) == []
