@@ -304,6 +304,7 @@ def save_result(trainer, tokenizer, out: Path, metrics: dict) -> None:
     trainer.save_model(str(tmp))
     if main:
         tokenizer.save_pretrained(tmp)
+        (tmp / "training_args.bin").unlink(missing_ok=True)     # a pickle: not part of a published model
         (tmp / "retrofit.json").write_text(json.dumps(metrics, indent=1) + "\n")
         old = out.with_name(f".{out.name}.old")
         shutil.rmtree(old, ignore_errors=True)

@@ -3,6 +3,7 @@
     .venv/bin/python examples/retrofit_compare.py --source LLAMA_DIR --converted ATTNRES_DIR \\
         --retrofitted RETROFIT_DIR --corpus CORPUS [--steps 100 --batch-size 8 --seq-len 128]
 
+LLAMA_DIR may be the GGUF file itself (dequantised to float32 as attnres-convert does).
 `RETROFIT_DIR` is the output of `attnres-retrofit ATTNRES_DIR CORPUS --out RETROFIT_DIR` (its
 `retrofit.json` holds the budget). The control trains as many parameters of the source Llama, its
 RMSNorm gains, with the same Trainer settings, data order, steps, batch and learning rate
@@ -57,12 +58,21 @@ def measure(name: str, model, tok, windows: torch.Tensor, trained: int, max_new_
     return row
 
 
+def load_source(path: Path):
+    """The source Llama: a transformers folder, or a GGUF file dequantised to float32."""
+    if path.suffix == ".gguf":
+        from attnres.conversion.gguf_source import load_dequantised
+
+        return load_dequantised(path)[0].train()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 def train_control(source: Path, train_windows: torch.Tensor, budget: dict, out: Path):
     """The source Llama with only its RMSNorm gains trained, on retrofit's data and budget."""
     if (out / "config.json").is_file():
         return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), json.loads(
             (out / "control.json").read_text())["trained_parameters"]
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = load_source(source)
     names = retrofit.select_trainable(model, "norms")
     args = retrofit.parse_args([str(source), "unused", "--work-dir", str(out) + "-work", "--steps",
                                 str(budget["steps"]), "--batch-size", str(budget["batch_size"]), "--seq-len",
@@ -85,7 +95,7 @@ def main(argv=None) -> int:
                               budget["heldout_windows"])
     train_windows = retrofit.token_windows(tok, texts["train"], budget["seq_len"], "training")
     control, control_params = train_control(args.source, train_windows, budget, args.control_out)
-    rows = [measure("source Llama", AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32), tok,
+    rows = [measure("source Llama", load_source(args.source), tok,
                     windows, 0, args.max_new_tokens),
             measure("converted AttnRes (zero queries)", AutoModelForCausalLM.from_pretrained(
                 args.converted, dtype=torch.float32), tok, windows, 0, args.max_new_tokens),
