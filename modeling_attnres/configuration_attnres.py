@@ -40,7 +40,7 @@ class AttnResConfig(LlamaConfig):
         running partial block. `"full"`: every sublayer output is its own source.
     attn_res_block_size (`int`, defaults to 2):
         Transformer layers per block (Block AttnRes only). Need not divide `num_hidden_layers`.
-    attn_res_bank_dtype (`str`, defaults to `"float32"`):
+    attn_res_bank_dtype (`str`, defaults to `"auto"`):
         The dtype completed blocks are stored in during a forward pass. `"auto"`: the model's dtype
         for bfloat16/float16 models (each block rounded once when stored, as Llama rounds its
         residual stream; half the bytes per site), float32 otherwise. `"float32"`: always float32
@@ -59,7 +59,7 @@ class AttnResConfig(LlamaConfig):
     qk_norm: bool = False
     attn_res_mode: str = "block"
     attn_res_block_size: int = 2
-    attn_res_bank_dtype: str = "float32"
+    attn_res_bank_dtype: str = "auto"
 
     def validate_architecture(self):
         """Shapes the attention layers need; runs on construction and load."""
