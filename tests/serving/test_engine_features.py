@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from tests.serving.engine import free_llm, hf_greedy, load_hf, make_llm
+from tests.serving.engine import free_llm, load_hf, make_llm
 
 STEPS = 16
 BLOCK = 32                                       # vLLM's CPU attention needs multiples of 32
@@ -83,6 +83,13 @@ def counters(llm) -> dict[str, float]:
     return {m.name: m.value for m in llm.get_metrics() if isinstance(getattr(m, "value", None), (int, float))}
 
 
+def hf_argmax(hf, prompt: list[int], tokens: list[int]) -> list[int]:
+    """transformers' greedy choice at each of `tokens` after `prompt`, by one forward pass: the greedy
+    continuation is `tokens` exactly when this returns `tokens`."""
+    with torch.no_grad():
+        return hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].argmax(-1).tolist()
+
+
 def greedy(llm, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -94,12 +101,13 @@ def greedy(llm, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]
 
 @pytest.fixture(scope="module")
 def long_run(engines, hf):
-    """The 200-token prompt through the features engine: `(tokens, counter deltas, transformers' tokens)`."""
+    """The 200-token prompt through the features engine: `(tokens, counter deltas, transformers' greedy
+    choices along those tokens)`."""
     llm = engines.get("features")
     before = counters(llm)
     tokens = greedy(llm, [LONG])[0]
     after = counters(llm)
-    return tokens, {k: after[k] - before.get(k, 0) for k in after}, hf_greedy(hf, LONG, STEPS)[0]
+    return tokens, {k: after[k] - before.get(k, 0) for k in after}, hf_argmax(hf, LONG, tokens)
 
 
 def test_chunked_prefill_of_a_long_prompt(engines, long_run):
@@ -130,7 +138,7 @@ with open(out, "w") as f:
 
 
 @pytest.mark.timeout(300)
-def test_ngram_speculative_decoding_keeps_greedy_tokens(path, long_run, tmp_path):
+def test_ngram_speculative_decoding_keeps_greedy_tokens(path, hf, tmp_path):
     out, log = tmp_path / "ngram.json", tmp_path / "ngram.log"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log, "wb") as sink:
@@ -145,7 +153,7 @@ def test_ngram_speculative_decoding_keeps_greedy_tokens(path, long_run, tmp_path
                 proc.wait(timeout=30)
     assert code == 0 and out.exists(), log.read_text()[-4000:]
     result = json.loads(out.read_text())
-    expected = long_run[2]
+    expected = hf_argmax(hf, LONG, result["tokens"])
     assert result["tokens"] == expected, f"n-gram speculation: vLLM {result['tokens']} != transformers {expected}"
     counts = result["counters"]
     assert counts["vllm:spec_decode_num_drafts"] > 0, "no n-gram draft was proposed: nothing tested"
@@ -160,7 +168,7 @@ def test_prefix_caching_hits_and_same_tokens(engines, hf):
     after = counters(llm)
     hits = after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]
     assert hits >= (len(PREFIX) // BLOCK) * BLOCK, f"prefix cache hits {hits}"
-    assert got == [hf_greedy(hf, first, STEPS)[0], hf_greedy(hf, second, STEPS)[0]]
+    assert got == [hf_argmax(hf, first, got[0]), hf_argmax(hf, second, got[1])]
 
 
 def test_structured_output_follows_a_json_schema(engines):
