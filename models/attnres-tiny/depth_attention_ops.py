@@ -10,6 +10,7 @@ The transformers model and the vLLM model both call `site_mix` / `site_push` wit
 modules' parameters, so which backend runs, and how the query is folded, is decided here once.
 """
 
+import torch
 from torch import Tensor
 
 from .depth_attention import DepthBank, bank_dtype, empty_bank, fold_queries, mix_site, push_block
@@ -29,8 +30,15 @@ def site_backend(partial: Tensor) -> str:
 
 def site_bank(embeds: Tensor, config) -> DepthBank:
     """The empty bank of a forward pass over `embeds [*tokens, d]` (in the model's dtype): room for
-    every source `config.depth_sites` stores, kept in the dtype `config.attn_res_bank_dtype` names."""
-    dtype = bank_dtype(getattr(config, "attn_res_bank_dtype", "float32"), embeds.dtype)
+    every source `config.depth_sites` stores, kept in the dtype `config.attn_res_bank_dtype` names.
+
+    `"auto"` keeps a float32 bank on the eager torch path on a CPU (no fused kernel): there
+    `mix_site` would convert the whole bank to float32 at every site, which costs more than the
+    halved bytes save (README, "Performance"). Compiled graphs, the C++ kernel and GPUs read a
+    low-precision bank directly."""
+    choice = getattr(config, "attn_res_bank_dtype", "float32")
+    fused = torch.compiler.is_compiling() or embeds.device.type != "cpu" or cpu_kernel_applies(embeds)
+    dtype = bank_dtype(choice if fused else "float32", embeds.dtype)
     return empty_bank(embeds, config.depth_sites[-1].num_stored, dtype)
 
 

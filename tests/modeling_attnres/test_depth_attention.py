@@ -181,14 +181,19 @@ def test_bank_dtype_choice():
         bank_dtype("bfloat16", torch.bfloat16)
 
 
-def test_site_bank_has_room_for_every_source_of_the_schedule():
+def test_site_bank_has_room_for_every_source_of_the_schedule(monkeypatch):
+    import modeling_attnres.depth_attention_ops as ops
     from modeling_attnres import AttnResConfig
 
     config = AttnResConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=5, num_attention_heads=2,
                            attn_res_block_size=2, attn_res_bank_dtype="auto")
     embeds = torch.zeros(2, 3, 16, dtype=torch.bfloat16)
-    with torch.no_grad():
-        bank = site_bank(embeds, config)
     stored = sum(site.closes_block for site in config.depth_sites)             # independent of num_stored
-    assert bank.storage.shape == (2, 3, stored, 16) and bank.storage.dtype == torch.bfloat16
-    assert bank.inv_storage.dtype == torch.float32 and bank.num_stored == 0
+    with torch.no_grad():
+        bank = site_bank(embeds, config)              # eager torch on a CPU: "auto" keeps float32
+        assert bank.storage.shape == (2, 3, stored, 16) and bank.storage.dtype == torch.float32
+        assert bank.inv_storage.dtype == torch.float32 and bank.num_stored == 0
+        monkeypatch.setattr(ops, "cpu_kernel_applies", lambda x: True)   # a fused reader: the model's dtype
+        assert site_bank(embeds, config).storage.dtype == torch.bfloat16
+        config.attn_res_bank_dtype = "float32"
+        assert site_bank(embeds, config).storage.dtype == torch.float32

@@ -183,8 +183,13 @@ def test_model_with_the_kernel_matches_the_torch_path(mode, dtype):
             cpu.enable_cpu_kernel()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(fused.logits.float(), ref.logits.float(), rtol=tol, atol=tol)
+    # bfloat16 with the default bank ("auto"): the kernel stores blocks in bfloat16, the eager torch
+    # path in float32 (`site_bank`), and every later site reads inputs that already differ by that
+    # rounding, carried through bfloat16 layers: weights to the logits' bfloat16 tolerance. float32:
+    # the same bank, only summation order differs.
+    weight_tol = 1e-5 if dtype == torch.float32 else tol
     for a, b in zip(fused.depth_attentions, ref.depth_attentions, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4 if dtype == torch.float32 else tol, atol=weight_tol)
     if dtype == torch.float32:
         assert torch.equal(fused_tokens, ref_tokens)
     else:
