@@ -22,8 +22,10 @@ isolates the part that differs, so it is far less noisy on a shared machine.
 
 import argparse
 import os
+import statistics
 import sys
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,6 +37,7 @@ from modeling_attnres.depth_attention import (  # noqa: E402
     DepthBank,
     acc,
     add_to_partial,
+    bank_dtype,
     empty_bank,
     inverse_rms,
     mix_site,
@@ -56,7 +59,7 @@ class BankSummary(NamedTuple):
 
 def summarize_bank(bank: DepthBank, queries: Tensor) -> BankSummary:
     """Phase 1: score and mix the stored sources for the folded `queries [S, d]` at once."""
-    src = bank.sources                                                         # [tokens, n, d]
+    src = acc(bank.sources)                                                    # [tokens, n, d]
     scores = (src @ queries.T) * bank.inv_rms.unsqueeze(-1)                    # [tokens, n, S]
     lse = torch.logsumexp(scores, dim=-2)                                      # [tokens, S]
     weights = torch.exp(scores - lse.unsqueeze(-2))
@@ -115,15 +118,22 @@ def two_phase_step(state: tuple, site: int, outputs: torch.Tensor, queries: torc
     return (bank, summary, add_to_partial(partial, outputs[site])), read
 
 
-def initial_state(name: str, embeds: torch.Tensor, queries: torch.Tensor) -> tuple:
+# Each path: its step and, for AttnRes, whether the bank is preallocated (filled in place rather than
+# grown by `torch.cat`) and its dtype choice (`AttnResConfig.attn_res_bank_dtype`). `per-site` is what
+# the models run; `cat-bank` and `float32-bank` each undo one lever.
+PATHS = {"llama": (llama_step, None, None), "per-site": (per_site_step, True, "auto"),
+         "cat-bank": (per_site_step, False, "auto"), "float32-bank": (per_site_step, True, "float32"),
+         "two-phase": (two_phase_step, True, "auto")}
+
+
+def initial_state(name: str, embeds: torch.Tensor, queries: torch.Tensor, capacity: int) -> tuple:
     """Each path's state before site 0: the residual, or the empty bank and the embedding as partial."""
-    if name == "llama":
+    step, room, dtype_choice = PATHS[name]
+    if step is llama_step:
         return (embeds,)
-    bank, partial = empty_bank(embeds), add_to_partial(None, embeds)
-    return (bank, partial) if name == "per-site" else (bank, summarize_bank(bank, queries[:1]), partial)
-
-
-STEPS = {"llama": llama_step, "per-site": per_site_step, "two-phase": two_phase_step}
+    bank = empty_bank(embeds, capacity if room else 0, bank_dtype(dtype_choice, embeds.dtype))
+    partial = add_to_partial(None, embeds)
+    return (bank, partial) if step is per_site_step else (bank, summarize_bank(bank, queries[:1]), partial)
 
 
 def run_piece(step: Callable, state: tuple, sites: tuple[int, ...], outputs: torch.Tensor, queries: torch.Tensor,
@@ -136,10 +146,11 @@ def run_piece(step: Callable, state: tuple, sites: tuple[int, ...], outputs: tor
     return state, reads
 
 
-def forward(step: Callable, piece: Callable, state: tuple, pieces: list[tuple[int, ...]], outputs: torch.Tensor,
+def forward(name: str, piece: Callable, embeds: Tensor, pieces: list[tuple[int, ...]], outputs: torch.Tensor,
             queries: torch.Tensor, spb: int) -> list[torch.Tensor]:
-    """All sites of a forward pass, piece by piece."""
-    reads = []
+    """All sites of a forward pass, piece by piece; the bank is created inside, as in the models."""
+    step, reads = PATHS[name][0], []
+    state = initial_state(name, embeds, queries, site_group(len(outputs), spb))
     for sites in pieces:
         state, piece_reads = piece(step, state, sites, outputs, queries, spb)
         reads += piece_reads
@@ -147,7 +158,8 @@ def forward(step: Callable, piece: Callable, state: tuple, pieces: list[tuple[in
 
 
 def run(tokens: int, mode: str, args) -> dict[str, float]:
-    """Check two-phase against per-site on random inputs, then time the three paths in `mode`."""
+    """Check the cat-bank and two-phase paths against per-site mixing on random inputs, then time all
+    paths in `mode`; returns each repeat's seconds per forward by path."""
     gen = torch.Generator().manual_seed(0)
     d, sites = args.hidden_size, 2 * args.num_hidden_layers
     dtype = getattr(torch, args.dtype)
@@ -157,38 +169,45 @@ def run(tokens: int, mode: str, args) -> dict[str, float]:
     spb = 1 if args.mode == "full" else 2 * args.block_size
     # Pieces between attention ops: [site 0], [MLP l, attention l + 1], ..., [last MLP, output site].
     pieces = [(0,)] + [(j, j + 1) for j in range(1, sites, 2)]
-    enable_cpu_kernel(mode == "cpu-kernel")
-    torch._dynamo.reset()                                      # each piece is its own graph: 3 x pieces
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(pieces))
+    enable_cpu_kernel(mode in ("cpu-kernel", "compiled-kernel", "piecewise-kernel"))
+    torch._dynamo.reset()                                      # each piece is its own graph: 5 x pieces
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 6 * len(pieces))
     paths = {}
-    for name, step in STEPS.items():
-        if mode == "compiled":
+    for name in PATHS:
+        if mode.startswith("compiled"):
             whole = torch.compile(forward, dynamic=False, fullgraph=True)
-            paths[name] = lambda step=step, name=name, whole=whole: whole(
-                step, run_piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
+            paths[name] = lambda name=name, whole=whole: whole(name, run_piece, embeds, pieces, outputs, queries, spb)
         else:
             eager = mode in ("eager", "cpu-kernel")
             piece = run_piece if eager else torch.compile(run_piece, dynamic=False, fullgraph=True)
-            paths[name] = lambda step=step, name=name, piece=piece: forward(
-                step, piece, initial_state(name, embeds, queries), pieces, outputs, queries, spb)
+            paths[name] = lambda name=name, piece=piece: forward(name, piece, embeds, pieces, outputs, queries, spb)
     with torch.inference_mode():
-        reference = forward(per_site_step, run_piece, initial_state("per-site", embeds, queries), pieces, outputs,
-                            queries, spb)
-        two = forward(two_phase_step, run_piece, initial_state("two-phase", embeds, queries), pieces, outputs,
-                      queries, spb)
-        tol = 1e-4 if dtype == torch.float32 else 2e-2                # the reads are cast to `dtype`
-        for got, want in zip(two, reference, strict=True):
-            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        # Same bank dtype, so only float32 summation order and the reads' final cast to `dtype` differ
+        # (float32-bank rounds nothing when storing: it differs by the bank's rounding, and is not checked).
+        reference = forward("per-site", run_piece, embeds, pieces, outputs, queries, spb)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for name in ("cat-bank", "two-phase"):
+            got = forward(name, run_piece, embeds, pieces, outputs, queries, spb)
+            for a, b in zip(got, reference, strict=True):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
         iters = max(1, args.work // (tokens * d))
         batches = {name: lambda fn=fn: [fn() for _ in range(iters)] for name, fn in paths.items()}
-        return {name: seconds / iters for name, seconds in alternate(batches, args.repeats).items()}
+        paired: list[dict[str, float]] = []
+        alternate(batches, args.repeats, paired=paired)
+        return [{name: seconds / iters for name, seconds in r.items()} for r in paired]
+
+
+def spread(values: list[float]) -> str:
+    """`median (min-max)` of paired ratios."""
+    return f"**{statistics.median(values):.2f}x** ({min(values):.2f}-{max(values):.2f})"
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)                   # only hidden size, layers, block size and mode matter here
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
-    parser.add_argument("--modes", nargs="+", choices=("eager", "cpu-kernel", "compiled", "piecewise"),
+    parser.add_argument("--modes", nargs="+", choices=("eager", "cpu-kernel", "compiled", "piecewise",
+                                                        "compiled-kernel", "piecewise-kernel"),
                         default=["eager", "cpu-kernel", "compiled", "piecewise"])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=5)
@@ -197,17 +216,18 @@ def main(argv=None) -> None:
     rows = []
     for mode in args.modes:
         for tokens in args.tokens:
-            t = run(tokens, mode, args)
-            extra = {name: (t[name] - t["llama"]) * 1e3 for name in ("per-site", "two-phase")}
-            rows.append([mode, tokens, *(f"{t[name] * 1e3:.2f}" for name in STEPS),
-                         f"{extra['per-site']:.2f}", f"{extra['two-phase']:.2f}",
-                         f"**{t['per-site'] / t['two-phase']:.2f}x**"])
+            runs = run(tokens, mode, args)
+            t = {name: statistics.median(r[name] for r in runs) for name in PATHS}
+            rows.append([mode, tokens, *(f"{t[name] * 1e3:.2f}" for name in PATHS),
+                         f"{(t['per-site'] - t['llama']) * 1e3:.2f}",
+                         *(spread([r[name] / r["per-site"] for r in runs])
+                           for name in ("cat-bank", "float32-bank", "two-phase"))])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; hidden {args.hidden_size}, "
           f"{args.num_hidden_layers} layers, {args.mode} (block size {args.block_size}), {args.dtype}; "
-          f"median of {args.repeats} alternating repeats, ms per forward\n")
-    print(markdown_table(["mode", "tokens", "llama residual", "per-site", "two-phase", "per-site extra",
-                          "two-phase extra", "per-site / two-phase"], rows))
-
+          f"median of {args.repeats} alternating repeats, ms per forward; ratios: median (min-max) of the "
+          "paired per-repeat ratios to per-site (> 1: the lever pays)\n")
+    print(markdown_table(["mode", "tokens", *PATHS, "per-site extra over llama", "cat-bank / per-site",
+                          "float32-bank / per-site", "two-phase / per-site"], rows))
 
 if __name__ == "__main__":
     main()

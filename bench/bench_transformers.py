@@ -2,17 +2,22 @@
 
     python bench/bench_transformers.py                   # the default size (hidden 1024, 16 layers)
     python bench/bench_transformers.py --hidden-size 256 --num-hidden-layers 4 --repeats 3
+    python bench/bench_transformers.py --model out/smollm2-attnres --source smollm2-llama --accuracy
 
-Prefill runs are alternated (AttnRes, Llama, AttnRes, ...), each adjacent pair giving a ratio. Decoding runs the two models in lock
-step, one token each in turn (the order swapped every step), so that both see the same machine at
-the same moment: on a shared CPU the drift between whole runs is larger than the effect measured.
-Each repeat gives a paired AttnRes/Llama ratio; the table reports medians. Peak memory is the peak
-RSS of a fresh process that builds the model and runs the prefill.
+By default both models are random and of the same size; with `--model` (an attnres-convert output)
+and `--source` (the folder it was converted from) the real weights, the source in its own
+transformers class. Prefill runs are alternated (AttnRes, Llama, AttnRes, ...), each adjacent pair
+giving a ratio. Decoding runs the two models in lock step, one token each in turn (the order
+swapped every step), so that both see the same machine at the same moment: on a shared CPU the
+drift between whole runs is larger than the effect measured. Each repeat gives a paired
+AttnRes/Llama ratio; the table reports medians. Peak memory is the peak RSS of a fresh process
+that builds the model and runs the prefill.
 
 `--modes eager cpu-kernel compiled` adds eager decoding with AttnRes's fused C++ site kernel
 (`modeling_attnres.enable_cpu_kernel()`; Llama runs as in `eager`) and the transformers recipe for
 fast decoding (a `StaticCache` and `torch.compile(model.forward, fullgraph=True)`) for both models;
-compiling takes minutes on a CPU.
+compiling takes minutes on a CPU. `--accuracy` first compares each model's bfloat16 logits with its
+own float64 logits on the same random tokens, AttnRes with each bank dtype (`attn_res_bank_dtype`).
 """
 
 import argparse
@@ -28,7 +33,16 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_size_arguments, alternate, build, markdown_table, synchronize  # noqa: E402
+from common import (  # noqa: E402
+    add_model_arguments,
+    add_size_arguments,
+    alternate,
+    build,
+    check_model_arguments,
+    describe,
+    markdown_table,
+    synchronize,
+)
 
 from modeling_attnres import enable_cpu_kernel  # noqa: E402
 
@@ -97,6 +111,8 @@ def time_decode(models, forwards, prompt, args, static) -> tuple[dict[str, float
 def time_workloads(args, dtype_name: str, mode: str) -> list[list]:
     dtype = DTYPES[dtype_name]
     models = {kind: build(kind, args, dtype, device=args.device) for kind in ("attnres", "llama")}
+    if args.bank_dtype:
+        models["attnres"].config.attn_res_bank_dtype = args.bank_dtype
     compiled = mode == "compiled"
     enable_cpu_kernel(mode == "cpu-kernel")                                   # only AttnRes calls it
     forwards = {k: torch.compile(m.forward, fullgraph=True, dynamic=False) if compiled else m
@@ -169,9 +185,34 @@ def cuda_memory_rows(args) -> list[list]:
     return rows
 
 
+def accuracy_rows(args, batch: int = 4, tokens: int = 64) -> list[list]:
+    """Each model's bfloat16 logits against its own float64 logits on the same random tokens."""
+    ids = torch.randint(3, args.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for kind in ("llama", "attnres"):
+        model = build(kind, args, torch.float64)
+        with torch.no_grad():
+            reference = model(ids).logits
+            model.to(torch.bfloat16)
+            for choice in ("float32", "auto") if kind == "attnres" else ("-",):
+                if kind == "attnres":
+                    model.config.attn_res_bank_dtype = choice
+                err = model(ids).logits.double() - reference
+                agree = (model(ids).logits.argmax(-1) == reference.argmax(-1)).double().mean()
+                rows.append([kind, choice, f"{err.abs().max():.3f}", f"{err.pow(2).mean().sqrt():.4f}",
+                             f"{err.norm() / reference.norm():.5f}", f"{agree:.3f}"])
+        del model
+    return rows
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
+    add_model_arguments(parser)
+    parser.add_argument("--bank-dtype", choices=("auto", "float32"),
+                        help="AttnResConfig.attn_res_bank_dtype for AttnRes (default: the config's)")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="first: bfloat16 vs float64 logit error of each model (and each bank dtype)")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -186,7 +227,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     parser.add_argument("--memory-probe", choices=("attnres", "llama"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_model_arguments(parser, args)
+    return args
 
 
 def main(argv=None) -> None:
@@ -194,8 +237,11 @@ def main(argv=None) -> None:
     if args.memory_probe:
         return memory_probe(args)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads; hidden {args.hidden_size}, "
-          f"{args.num_hidden_layers} layers, block size {args.block_size} ({args.mode})\n")
+    print(f"torch {torch.__version__}, {args.threads} threads; {describe(args)}\n")
+    if args.accuracy:
+        print(markdown_table(["model", "bank dtype", "max |logit error|", "RMS error", "relative error",
+                              "top-1 agreement"], accuracy_rows(args)))
+        print("\n(bfloat16 vs the same model in float64, 4 x 64 random tokens)\n")
     rows = [r for mode in args.modes for dtype_name in args.dtypes for r in time_workloads(args, dtype_name, mode)]
     print(markdown_table(["workload", "dtype", "mode", "AttnRes ms", "Llama ms", "AttnRes tok/s", "Llama tok/s",
                           "ratio"], rows))

@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden-size", "128", "--num-hidden-layers", "4", "--num-attention-heads", "2",   # head_dim 64:
         "--num-key-value-heads", "1", "--intermediate-size", "256", "--vocab-size", "256"]  # vLLM CPU attention
@@ -25,6 +28,7 @@ def ratios(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"\*\*(\d+\.\d+)x?\*\*", text)]
 
 
+@pytest.mark.timeout(660)
 def test_bench_transformers_reports_prefill_decode_and_memory_ratios():
     out = run("bench_transformers.py", "--repeats", "1", "--prefill-tokens", "16", "--prompt-tokens", "4",
               "--new-tokens", "3", "--decode-batches", "1", "2", "--dtypes", "float32", "bfloat16",
@@ -36,18 +40,47 @@ def test_bench_transformers_reports_prefill_decode_and_memory_ratios():
     assert len(ratios(out)) == 14 and all(r > 0 for r in ratios(out)), out
 
 
+@pytest.mark.timeout(660)
 def test_bench_vllm_pairs_both_engines_in_one_process():
-    out = run("bench_vllm.py", "--prompts", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "2",
-              "--enforce-eager", "--kv-cache-bytes", str(64 << 20), "--skip-transformers")
-    assert "vLLM attnres" in out and "vLLM llama" in out, out
-    assert "2 alternating repeats" in out, out
-    assert len(ratios(out)) == 1 and ratios(out)[0] > 0, out
+    out = run("bench_vllm.py", "--prompts", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--prefill-tokens", "8",
+              "--repeats", "2", "--enforce-eager", "--kv-cache-bytes", str(64 << 20), "--skip-transformers")
+    rows = [line for line in out.splitlines() if line.startswith(("| decode", "| prefill"))]
+    assert len(rows) == 2 and "2 alternating repeats" in out, out
+    assert len(ratios(out)) == 2 and all(r > 0 for r in ratios(out)), out
 
 
-def test_bench_depth_checks_two_phase_against_mix_site_and_reports_both():
-    """The two-phase alternative is compared with `mix_site` inside the script before it is timed."""
+@pytest.mark.timeout(660)
+def test_bench_depth_checks_every_path_against_mix_site_and_reports_each_lever():
+    """The cat-bank and two-phase paths are compared with per-site `mix_site` inside the script before
+    they are timed; each row reports three paired ratios (one per lever)."""
     out = run("bench_depth.py", "--num-hidden-layers", "2", "--tokens", "1", "5", "--modes", "eager", "cpu-kernel",
-              "piecewise", "--repeats", "1", "--work", "1024")
+              "piecewise", "--repeats", "1", "--work", "1024", "--dtype", "bfloat16")
     rows = [line for line in out.splitlines() if line.startswith(("| eager", "| cpu-kernel", "| piecewise"))]
     assert len(rows) == 6, out
-    assert len(ratios(out)) == 6 and all(r > 0 for r in ratios(out)), out
+    assert len(ratios(out)) == 18 and all(r > 0 for r in ratios(out)), out
+
+
+@pytest.mark.timeout(900)
+def test_bench_transformers_on_a_converted_checkpoint_and_its_source(tmp_path):
+    """`--model` / `--source`: an attnres-convert output against the Llama it came from, both loaded
+    from their folders (the sizes come from them), with the bfloat16-vs-float64 accuracy table."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=256, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    convert = subprocess.run([sys.executable, "-m", "attnres.conversion.cli", str(tmp_path / "llama"),
+                              str(tmp_path / "attnres"), "--block-size", "2", "--stream-scale", "1"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_transformers.py"), "--model",
+                           str(tmp_path / "attnres"), "--source", str(tmp_path / "llama"), "--accuracy", "--repeats",
+                           "1", "--prefill-tokens", "8", "--prompt-tokens", "4", "--new-tokens", "2",
+                           "--decode-batches", "1", "--dtypes", "bfloat16", "--no-memory"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
+    assert len([line for line in out.splitlines() if line.startswith(("| llama", "| attnres"))]) == 3, out
+    assert len(ratios(out)) == 2 and all(r > 0 for r in ratios(out)), out
