@@ -43,8 +43,10 @@ class AttnResConfig(LlamaConfig):
     attn_res_bank_dtype (`str`, defaults to `"auto"`):
         The dtype completed blocks are stored in during a forward pass. `"auto"`: the model's dtype
         for bfloat16/float16 models (each block rounded once when stored, as Llama rounds its
-        residual stream; half the bytes per site), float32 otherwise. `"float32"`: always float32
-        (float64 for float64 models). Scores, softmax and the running partial are float32 either way.
+        residual stream; half the bytes per site), float32 otherwise, and float32 on the eager torch
+        path on a CPU, where converting the bank at every site costs more than it saves
+        (`depth_attention_ops.site_bank`). `"float32"`: always float32 (float64 for float64 models).
+        Scores, softmax and the running partial are float32 either way.
 
     ```python
     >>> from modeling_attnres import AttnResConfig, AttnResForCausalLM
