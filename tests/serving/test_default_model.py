@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from attnres.conversion import ConversionError
+from attnres.conversion.retrofit import RetrofitError, export_depth
 from attnres.serving import cli, default_model
 from attnres.serving.default_model import BUILD_INFO, SERVED_NAME, DefaultModelUnavailable, ensure_default_model
 from attnres.serving.defaults import SHIPPED_MODEL, SHIPPED_SERVED_NAME
@@ -147,22 +148,27 @@ def test_a_concurrent_builder_that_publishes_first_is_kept(tmp_path, monkeypatch
 
 
 def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local_wheel):
+    """A depth file exported by attnres-retrofit from a copy with other depth parameters: the default
+    built with it equals that copy, tensor for tensor."""
     _, plain = built
-    base = load_file(plain / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype="auto")
     gen = torch.Generator().manual_seed(0)
-    depth = {k: torch.randn(v.shape, generator=gen) for k, v in base.items() if "_res_" in k}
-    assert len(depth) == 2 * 4 * 2 + 2                       # 4 layers x 2 sites x (query, norm) + output site
-    save_file(depth, tmp_path / "depth.safetensors")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+    model.save_pretrained(tmp_path / "trained")
+    assert export_depth(tmp_path / "trained", tmp_path / "depth.safetensors", {}) == 4 * 2 * 2 + 2
     use_index(monkeypatch, local_wheel.parent)
     path = ensure_default_model(tmp_path / "cache", sha256=sha256(local_wheel),
                                 depth_parameters=tmp_path / "depth.safetensors")
     assert path.name == f"{SERVED_NAME}-v1-depth-{sha256(tmp_path / 'depth.safetensors')[:12]}"
-    got = load_file(path / "model.safetensors")
-    assert got.keys() == base.keys()
-    for key, value in got.items():                           # the checkpoint's dtype (bfloat16) is kept
-        assert torch.equal(value, depth[key].to(base[key].dtype) if key in depth else base[key]), key
+    got, want = load_file(path / "model.safetensors"), load_file(tmp_path / "trained" / "model.safetensors")
+    base = load_file(plain / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(got["model.output_attn_res_proj.weight"], base["model.output_attn_res_proj.weight"])
     save_file({"model.norm.weight": base["model.norm.weight"]}, tmp_path / "bad.safetensors")
-    with pytest.raises(ValueError, match=r"these are not: model\.norm\.weight \(32,\)"):
+    with pytest.raises(RetrofitError, match="is not a depth-parameter file"):
         default_model.apply_depth_parameters(path, tmp_path / "bad.safetensors")
 
 
