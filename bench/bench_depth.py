@@ -1,23 +1,28 @@
-"""The depth-attention work of one forward pass on its own: per-site mixing vs the spec's two-phase scheme.
+"""The depth-attention work of one forward pass on its own, and each lever that makes it cheaper.
 
     python bench/bench_depth.py                        # default size; eager, compiled, piecewise; 1..2048 tokens
-    python bench/bench_depth.py --tokens 64 512 --modes piecewise
+    python bench/bench_depth.py --tokens 64 512 --modes piecewise piecewise-kernel --dtype bfloat16
 
 Replays what a model does on its residual path, with the sublayers replaced by fixed random outputs,
 for the sites of `--num-hidden-layers` layers plus the output site:
 - `llama`: the residual stream (each site reads it, each sublayer output is added to it);
-- `per-site`: AttnRes as both models run it, one `mix_site` pass over the bank per site;
+- `per-site`: one `mix_site` pass over the bank per site, the bank preallocated for the forward pass
+  and filled in place, its sources stored in the model's dtype (`attn_res_bank_dtype="auto"`);
+- `cat-bank`: the same, the bank grown by `torch.cat` per stored block (undoes one lever);
+- `float32-bank`: the same, sources stored in float32 (undoes the other; equal for float32 inputs);
 - `two-phase`: the spec's alternative, written here (not in the models): when a block closes, score
   and mix the new bank for all the sites that will read it at once (one matmul each, phase 1); each
   site then merges its running partial with an exact online-softmax step (phase 2). It reads the
-  bank twice per block instead of twice per site. It is checked against `mix_site` before timing.
-Modes: `eager`; `cpu-kernel`, eager with the fused C++ site kernel for `per-site` (what
-`enable_cpu_kernel()` gives the transformers model); `compiled`, the whole pass as one graph (like
-transformers' `torch.compile(fullgraph=True)`); `piecewise`, each stretch between two attention ops
-compiled as its own graph (like vLLM).
-All three paths run in one process, alternating, several repeats; the table gives median milliseconds
-per forward and what AttnRes adds over the residual stream. Unlike the whole-model benchmarks this
-isolates the part that differs, so it is far less noisy on a shared machine.
+  bank twice per block instead of twice per site.
+`cat-bank` and `two-phase` are checked against `per-site` before timing. Modes: `eager`; `cpu-kernel`,
+eager with the fused C++ site kernel for the per-site paths (what `enable_cpu_kernel()` gives the
+transformers model); `compiled`, the whole pass as one graph (like transformers'
+`torch.compile(fullgraph=True)`); `piecewise`, each stretch between two attention ops compiled as its
+own graph (like vLLM); `compiled-kernel` / `piecewise-kernel`, the same with the kernel enabled, so
+the graphs call it as the custom op `attnres::mix_site` instead of generated code.
+All paths run in one process, alternating, several repeats; the table gives median milliseconds per
+forward, what AttnRes adds over the residual stream, and per lever the median and range of the
+paired per-repeat ratios (the machine's drift between repeats cancels in a pair).
 """
 
 import argparse
