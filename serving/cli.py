@@ -11,6 +11,9 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
   first use, served as `smollm2-135m-attnres`; where it cannot be built, for want of the package
   registry, one line on stderr says so and `models/attnres-tiny` is served instead);
 - `--host 127.0.0.1` (vLLM's own default listens on all interfaces);
+- `--shutdown-timeout SHUTDOWN_TIMEOUT`: on SIGTERM, requests in flight get that long to finish. With
+  vLLM 0.32's own default (0) a SIGTERM that arrives during a request leaves the API server waiting
+  forever for that connection to close; with a grace period it drains and exits 0;
 - on CPU builds, `--kv-cache-memory-bytes 1G` unless `VLLM_CPU_KVCACHE_SPACE` is set (vLLM's own
   sizing reads the machine's memory and can fail at start-up);
 - for the default model on CPU builds, `--compilation-config DEFAULT_COMPILATION` unless a compilation
@@ -32,6 +35,7 @@ from .defaults import resolve_default, resolve_model, served_name
 
 DEFAULT_HOST = "127.0.0.1"
 CPU_KV_CACHE_BYTES = "1G"   # vLLM's human-readable form: 1 GiB
+SHUTDOWN_TIMEOUT = "8"      # seconds for requests in flight after SIGTERM
 PIPELINE_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
 PIPELINE_WORKER_VERSIONS = ("0.32.",)  # vllm-cpu releases whose CPU worker skips the eager warm-up
 DEFAULT_COMPILATION = '{"mode": 2, "backend": "eager"}'
@@ -118,6 +122,8 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         extra += ["--served-model-name", name]
     if not has_option(args, "--host"):
         extra += ["--host", DEFAULT_HOST]
+    if not has_option(args, "--shutdown-timeout"):
+        extra += ["--shutdown-timeout", SHUTDOWN_TIMEOUT]
     if cpu and not has_option(args, "--kv-cache-memory-bytes") and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         extra += ["--kv-cache-memory-bytes", CPU_KV_CACHE_BYTES]
     if needs_pipeline_worker(args, cpu, vllm_version):

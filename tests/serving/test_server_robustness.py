@@ -23,6 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from attnres.serving import cli
 from attnres.serving.launcher import ServerProcess, group_members, serve_command
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "attnres-tiny"
@@ -30,11 +31,13 @@ SERVED = "attnres-tiny"
 MAX_MODEL_LEN = json.loads((MODEL / "config.json").read_text())["max_position_embeddings"]
 VOCAB_SIZE = json.loads((MODEL / "config.json").read_text())["vocab_size"]
 MAX_LOGPROBS = 20                                                  # vLLM's default --max-logprobs
-# `--shutdown-timeout`: on SIGTERM, requests in flight get that long to finish. With vLLM's default (0)
-# the engine is killed under them and vLLM 0.32's API server never ends those responses nor exits.
-SHUTDOWN_TIMEOUT = 8
+# attnres-serve's `--shutdown-timeout`: on SIGTERM, requests in flight get that long to finish. With
+# vLLM's default (0) the engine is killed under them and vLLM 0.32's API server never ends those
+# responses nor exits. The server runs with attnres-serve's own default, as users get it.
+SHUTDOWN_TIMEOUT = int(cli.SHUTDOWN_TIMEOUT)
+# Compiled as `make serve` compiles the model it serves (Dynamo, no Inductor: cli.DEFAULT_COMPILATION).
 SERVER_ARGS = [str(MODEL), "--served-model-name", SERVED, "--kv-cache-memory-bytes", "64M", "--seed", "0",
-               "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+               "--compilation-config", cli.DEFAULT_COMPILATION]
 MULTIBYTE_PROMPT = "Grüße aus Köln — naïve café, 你好 🙂"
 # Characters of 2, 3 and 4 UTF-8 bytes: structured output forces them, so the model emits byte tokens.
 MULTIBYTE_REGEX = "[äöüß€你好🙂]{6}"
