@@ -13,7 +13,6 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -37,9 +36,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_attention import DepthBank, add_to_partial
+from .depth_attention import DepthBank, acc, add_to_partial
 from .depth_attention_ops import site_bank, site_mix, site_push
-
 
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py",
                      "depth_attention_ops.py", "depth_attention_triton.py", "modeling_attnres.py")
@@ -112,7 +110,7 @@ def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
                          "per sequence (for an empty prompt, start it with the tokenizer's BOS token).")
     if torch.compiler.is_compiling():                                  # a value check would break the graph
         return
-    low, high = int(input_ids.min()), int(input_ids.max())
+    low, high = (int(v) for v in torch.aminmax(input_ids))            # one device sync, not two
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab_size}); "
@@ -143,14 +141,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self,
         bank: DepthBank,
         partial: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
-        use_cache: Optional[bool] = False,
-        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_depth_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[DepthBank, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    ) -> tuple[DepthBank, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns the new `(bank, partial)` and, when asked, the weights of both sites."""
         h, attn_site_weights = mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm,
                                    output_depth_attentions)
@@ -225,14 +223,14 @@ class AttnResModelOutputWithPast(BaseModelOutputWithPast):
     """`BaseModelOutputWithPast` plus `depth_attentions`: one `[batch, seq, num_sources]` tensor per
     site (attention and MLP of every layer, then the output site), when `output_depth_attentions=True`."""
 
-    depth_attentions: Optional[tuple[torch.Tensor, ...]] = None
+    depth_attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class AttnResCausalLMOutputWithPast(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus `depth_attentions` (see `AttnResModelOutputWithPast`)."""
 
-    depth_attentions: Optional[tuple[torch.Tensor, ...]] = None
+    depth_attentions: tuple[torch.Tensor, ...] | None = None
 
 
 class AttnResModel(AttnResPreTrainedModel):
@@ -257,14 +255,14 @@ class AttnResModel(AttnResPreTrainedModel):
     @capture_outputs
     def forward(
         self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.FloatTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        output_depth_attentions: Optional[bool] = None,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_depth_attentions: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> AttnResModelOutputWithPast:
         r"""
@@ -317,7 +315,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 **kwargs,
             )
             if output_hidden_states:
-                all_hidden_states.append((bank.sources.sum(-2) + partial).to(inputs_embeds.dtype))
+                all_hidden_states.append((acc(bank.sources).sum(-2) + partial).to(inputs_embeds.dtype))
             if output_depth_attentions:
                 depth_attentions += [attn_site_weights, mlp_site_weights]
 
@@ -353,13 +351,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(
         self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.FloatTensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> AttnResCausalLMOutputWithPast:

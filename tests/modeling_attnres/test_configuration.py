@@ -25,7 +25,9 @@ def test_save_load_round_trip(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, AttnResConfig)
-    drop = lambda d: {k: v for k, v in d.items() if k != "_name_or_path"}
+    def drop(fields):
+        return {k: v for k, v in fields.items() if k != "_name_or_path"}
+
     assert drop(loaded.to_dict()) == drop(config.to_dict())
 
 
@@ -33,9 +35,11 @@ def test_save_load_round_trip(tmp_path):
     "overrides, fragment",
     [
         (dict(attn_res_mode="blocks"), "attn_res_mode must be one of ('block', 'full'), got 'blocks'"),
-        (dict(attn_res_block_size=0), "attn_res_block_size is the number of transformer layers per block and must be >= 1, got 0"),
+        (dict(attn_res_block_size=0),
+         "attn_res_block_size is the number of transformer layers per block and must be >= 1, got 0"),
         (dict(attn_res_block_size=-2), "got -2"),
-        (dict(num_attention_heads=4, num_key_value_heads=3), "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+        (dict(num_attention_heads=4, num_key_value_heads=3),
+         "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
         (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer, got 0"),
     ],
 )
