@@ -141,16 +141,8 @@ def startup_problem(vllm_args: list[str]) -> str | None:
     if not vllm_args or vllm_args[0] != "serve" or has_option(vllm_args, "-h", "--help"):
         return None
 
-    def value(name: str, default: str | None = None) -> str | None:
-        found = default
-        for i, arg in enumerate(vllm_args):
-            if arg == name and i + 1 < len(vllm_args):
-                found = vllm_args[i + 1]
-            elif arg.startswith(name + "="):
-                found = arg[len(name) + 1:]
-        return found
-
-    model = vllm_args[1] if len(vllm_args) > 1 and not vllm_args[1].startswith("-") else value("--model")
+    model = vllm_args[1] if len(vllm_args) > 1 and not vllm_args[1].startswith("-") else option_value(
+        vllm_args, "--model")
     if model:
         path = os.path.expanduser(model)
         local = os.path.isabs(path) or model.startswith((".", "~")) or model.count("/") > 1
@@ -161,7 +153,8 @@ def startup_problem(vllm_args: list[str]) -> str | None:
             return f"model directory {model!r} has no config.json; pass the directory that holds the checkpoint"
     if has_option(vllm_args, "--uds"):
         return None
-    host, port = value("--host", DEFAULT_HOST), value("--port", "8000")
+    host = option_value(vllm_args, "--host") or DEFAULT_HOST
+    port = option_value(vllm_args, "--port") or "8000"
     try:
         family, _, _, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
     except (OSError, ValueError, UnicodeError):

@@ -3,6 +3,7 @@ registration, the `attnres-serve` command line, the model's interface declaratio
 importable where vLLM is not installed."""
 
 import importlib.metadata
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,17 @@ def test_vllm_version_lookup_works_after_patch():
     assert result.returncode == 0, result.stderr[-3000:]
     patched, expected, torch_version = result.stdout.split()
     assert patched == expected and torch_version
+
+
+def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
+    """The checks attnres-serve makes before importing vLLM (the subprocess tests: test_server_robustness.py)."""
+    assert "model path '/nonexistent/m' does not exist" in cli.startup_problem(["serve", "/nonexistent/m"])
+    assert "has no config.json" in cli.startup_problem(["serve", f"--model={tmp_path}"])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        problem = cli.startup_problem(["serve", str(SHIPPED_MODEL), "--port", str(port), "--host=127.0.0.1"])
+        assert problem.startswith(f"cannot listen on 127.0.0.1:{port}")
+    assert cli.startup_problem(["serve", str(SHIPPED_MODEL), "--port", str(port)]) is None
+    assert cli.startup_problem(["serve", "--help"]) is None
