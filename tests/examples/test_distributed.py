@@ -40,9 +40,13 @@ def launch(args: list[str], log: Path, timeout: int = 150) -> None:
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
             pytest.fail(f"accelerate launch timed out after {timeout} s; log:\n{log.read_text()[-3000:]}")
+        finally:                                # also on pytest-timeout or Ctrl-C: no worker outlives the test
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
     assert code == 0, f"accelerate launch exited {code}; log:\n{log.read_text()[-3000:]}"
 
 
