@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retrofitted", type=Path, required=True, help="attnres-retrofit's --out folder")
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--control-out", type=Path, default=Path("/tmp/attnres-retrofit/control"))
+    p.add_argument("--control-lr", type=float, default=1e-2,
+                   help="learning rate of the control's RMSNorm gains (the retrofit's own lr is in retrofit.json)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--max-new-tokens", type=int, default=24)
     return p.parse_args(argv)
@@ -68,10 +71,12 @@ def load_source(path: Path):
 
 
 def train_control(source: Path, train_windows: torch.Tensor, budget: dict, out: Path):
-    """The source Llama with only its RMSNorm gains trained, on retrofit's data and budget."""
-    if (out / "config.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), json.loads(
-            (out / "control.json").read_text())["trained_parameters"]
+    """The source Llama with only its RMSNorm gains trained, on retrofit's data and budget (`budget["lr"]`
+    is the control's). A control trained earlier is reused only if it was trained on this budget."""
+    if (out / "config.json").is_file() and (out / "control.json").is_file():
+        stored = json.loads((out / "control.json").read_text())
+        if {k: v for k, v in stored.items() if k != "trained_parameters"} == budget:
+            return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), stored["trained_parameters"]
     model = load_source(source)
     names = retrofit.select_trainable(model, "norms")
     args = retrofit.parse_args([str(source), "unused", "--work-dir", str(out) + "-work", "--steps",
@@ -80,6 +85,7 @@ def train_control(source: Path, train_windows: torch.Tensor, budget: dict, out: 
                                 "--seed", str(budget["seed"]), "--train", "norms"])
     retrofit.train(model, train_windows, args)
     trained = sum(p.numel() for n, p in model.named_parameters() if n in names)
+    shutil.rmtree(out, ignore_errors=True)                            # a control of another budget
     model.save_pretrained(out)
     (out / "control.json").write_text(json.dumps({"trained_parameters": trained, **budget}) + "\n")
     return model, trained
@@ -94,7 +100,8 @@ def main(argv=None) -> int:
     windows = retrofit.spread(retrofit.token_windows(tok, texts["validation"], budget["seq_len"], "held-out"),
                               budget["heldout_windows"])
     train_windows = retrofit.token_windows(tok, texts["train"], budget["seq_len"], "training")
-    control, control_params = train_control(args.source, train_windows, budget, args.control_out)
+    control_budget = {**budget, "lr": args.control_lr}
+    control, control_params = train_control(args.source, train_windows, control_budget, args.control_out)
     rows = [measure("source Llama", load_source(args.source), tok,
                     windows, 0, args.max_new_tokens),
             measure("converted AttnRes (zero queries)", AutoModelForCausalLM.from_pretrained(
@@ -105,7 +112,7 @@ def main(argv=None) -> int:
             measure("control: source Llama, RMSNorm gains trained", control, tok, windows, control_params,
                     args.max_new_tokens)]
     print(f"\nheld-out: {windows.shape[0]} windows of {budget['seq_len']} tokens; training: {budget['steps']} steps "
-          f"of {budget['batch_size']} x {budget['seq_len']} tokens, lr {budget['lr']}\n")
+          f"of {budget['batch_size']} x {budget['seq_len']} tokens, lr {budget['lr']} (control: {args.control_lr})\n")
     print("| model | trained params | held-out loss | perplexity | " + " | ".join(QUESTIONS) + " |")
     print("|---|---:|---:|---:|" + "---|" * len(QUESTIONS))
     for r in rows:
