@@ -237,11 +237,21 @@ def test_a_failed_build_says_what_is_missing(monkeypatch):
 VLLM_WITH_KERNEL = """
 import json, sys
 from vllm import LLM, SamplingParams
+import modeling_attnres.depth_attention_cpu as cpu
+extension, calls = cpu._build(), []
+class CountingExtension:  # the op's implementation reaches the C++ extension through cpu._build()
+    def __getattr__(self, name):
+        return getattr(extension, name)
+    def mix_site(self, *args):
+        calls.append(1)
+        return extension.mix_site(*args)
+cpu._module = CountingExtension()
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
           max_model_len=64, seed=0)
 params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
 outs = llm.generate([{"prompt_token_ids": ids} for ids in json.loads(sys.argv[2])], params, use_tqdm=False)
 print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+print(f"KERNEL_CALLS {len(calls)}")
 """
 
 
@@ -274,3 +284,5 @@ def test_vllm_compiled_with_the_kernel_op_generates_the_torch_paths_tokens(tmp_p
     assert done.returncode == 0, text[-4000:]
     tokens = json.loads(next(line for line in text.splitlines() if line.startswith("TOKENS "))[7:])
     assert tokens == expected
+    calls = int(next(line for line in text.splitlines() if line.startswith("KERNEL_CALLS "))[13:])
+    assert calls > 0, "the sites never reached the C++ kernel inside vLLM's compiled graphs"
