@@ -11,8 +11,9 @@ from typing import NamedTuple
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
+from .depth_attention import BANK_DTYPES
+
 ATTN_RES_MODES = ("block", "full")
-ATTN_RES_BANK_DTYPES = ("auto", "float32")
 
 
 class DepthSite(NamedTuple):
@@ -96,9 +97,9 @@ class AttnResConfig(LlamaConfig):
 
     def validate_attn_res_bank_dtype(self):
         """The stored-block dtype; runs on construction and load."""
-        if self.attn_res_bank_dtype not in ATTN_RES_BANK_DTYPES:
+        if self.attn_res_bank_dtype not in BANK_DTYPES:
             raise ValueError(
-                f"AttnResConfig.attn_res_bank_dtype must be one of {ATTN_RES_BANK_DTYPES}, got "
+                f"AttnResConfig.attn_res_bank_dtype must be one of {BANK_DTYPES}, got "
                 f"{self.attn_res_bank_dtype!r}. Use \"auto\" to store completed blocks in a bfloat16/float16 "
                 f"model's dtype, or \"float32\" to keep them in float32."
             )

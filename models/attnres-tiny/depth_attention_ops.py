@@ -36,7 +36,7 @@ def site_bank(embeds: Tensor, config) -> DepthBank:
     `mix_site` would convert the whole bank to float32 at every site, which costs more than the
     halved bytes save (README, "Performance"). Compiled graphs, the C++ kernel and GPUs read a
     low-precision bank directly."""
-    choice = getattr(config, "attn_res_bank_dtype", "float32")
+    choice = config.attn_res_bank_dtype
     fused = torch.compiler.is_compiling() or embeds.device.type != "cpu" or cpu_kernel_applies(embeds)
     dtype = bank_dtype(choice if fused else "float32", embeds.dtype)
     return empty_bank(embeds, config.depth_sites[-1].num_stored, dtype)
