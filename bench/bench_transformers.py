@@ -156,7 +156,7 @@ def memory_rows(args) -> list[list]:
         res = {}
         for kind in ("attnres", "llama"):
             cmd = [sys.executable, __file__, "--memory-probe", kind, "--dtype", dtype_name] + sys.argv[1:]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
             res[kind] = json.loads(out.strip().splitlines()[-1])
         a, l = res["attnres"], res["llama"]
         rows.append([f"peak RSS, prefill 1x{args.prefill_tokens}", dtype_name, f"{a['peak_mib']:.0f}",

@@ -5,12 +5,13 @@ compares AttnRes with the same-size Llama side by side and prints a table with a
 """
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden-size", "128", "--num-hidden-layers", "4", "--num-attention-heads", "2",   # head_dim 64:
@@ -18,8 +19,7 @@ TINY = ["--hidden-size", "128", "--num-hidden-layers", "4", "--num-attention-hea
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *TINY, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = run_bounded([sys.executable, str(ROOT / "bench" / script), *TINY, *args], timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -70,15 +70,14 @@ def test_bench_transformers_on_a_converted_checkpoint_and_its_source(tmp_path):
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=256, max_position_embeddings=128)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    convert = subprocess.run([sys.executable, "-m", "attnres.conversion.cli", str(tmp_path / "llama"),
-                              str(tmp_path / "attnres"), "--block-size", "2", "--stream-scale", "1"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
+    convert = run_bounded([sys.executable, "-m", "attnres.conversion.cli", str(tmp_path / "llama"),
+                           str(tmp_path / "attnres"), "--block-size", "2", "--stream-scale", "1"],
+                          timeout=600, cwd=ROOT)
     assert convert.returncode == 0, convert.stderr[-3000:]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_transformers.py"), "--model",
+    done = run_bounded([sys.executable, str(ROOT / "bench" / "bench_transformers.py"), "--model",
                            str(tmp_path / "attnres"), "--source", str(tmp_path / "llama"), "--accuracy", "--repeats",
                            "1", "--prefill-tokens", "8", "--prompt-tokens", "4", "--new-tokens", "2",
-                           "--decode-batches", "1", "--dtypes", "bfloat16", "--no-memory"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                        "--decode-batches", "1", "--dtypes", "bfloat16", "--no-memory"], timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
