@@ -36,8 +36,11 @@ def test_bench_transformers_reports_prefill_decode_and_memory_ratios():
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     for mode in ("eager", "cpu-kernel"):                    # (prefill, decode b1, decode b2) x 2 dtypes
         assert len([r for r in rows if f"| {mode} |" in r]) == 6, out
-    assert sum("peak RSS" in r for r in rows) == 2, out
-    assert len(ratios(out)) == 14 and all(r > 0 for r in ratios(out)), out
+    memory = [r.split("|") for r in rows if "peak RSS" in r]
+    assert len(memory) == 2, out
+    # The prefill's own peak (over the RSS it started from) is measured apart from the load's peak.
+    assert all(float(m[5]) > 0 and float(m[6]) > 0 for m in memory), out
+    assert len(ratios(out)) == 12 + 2 * 2 and all(r > 0 for r in ratios(out)), out
 
 
 @pytest.mark.timeout(660)
@@ -81,5 +84,8 @@ def test_bench_transformers_on_a_converted_checkpoint_and_its_source(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
-    assert len([line for line in out.splitlines() if line.startswith(("| llama", "| attnres"))]) == 3, out
+    accuracy = [line for line in out.splitlines() if line.startswith(("| llama", "| attnres"))]
+    assert len(accuracy) == 3, out
+    # Each AttnRes row measures the bank it names: "auto" keeps bfloat16 where the kernel reads it.
+    assert "| attnres | float32 | float32 |" in out and "| attnres | auto | bfloat16 |" in out, out
     assert len(ratios(out)) == 2 and all(r > 0 for r in ratios(out)), out
