@@ -135,7 +135,8 @@ std::vector<at::Tensor> mix_site(const at::Tensor& storage, const at::Tensor& in
   auto out = at::empty(partial.sizes(), partial.options().dtype(dtype));
   auto weight_sizes = partial.sizes().vec();
   weight_sizes.back() = n + 1;
-  at::Tensor weights = at::empty(keep_weights ? weight_sizes : std::vector<int64_t>{0}, partial.options());
+  at::Tensor weights;  // undefined (None in Python) unless kept: one allocation less per site
+  if (keep_weights) weights = at::empty(weight_sizes, partial.options());
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "mix_site_acc", [&] {
     using acc_t = scalar_t;
     std::vector<acc_t> q(d);
@@ -266,7 +267,9 @@ def cpu_kernel_applies(partial: Tensor) -> bool:
 
 def _mix_site_impl(storage: Tensor, inv_storage: Tensor, num_stored: int, partial: Tensor, query: Tensor,
                    gain: Tensor | None, eps: float, dtype: torch.dtype, keep_weights: bool) -> list[Tensor]:
-    return _build().mix_site(storage, inv_storage, num_stored, partial, query, gain, eps, dtype, keep_weights)
+    mixed, weights = _build().mix_site(storage, inv_storage, num_stored, partial, query, gain, eps, dtype,
+                                       keep_weights)
+    return [mixed, weights if keep_weights else partial.new_empty(0)]      # an op returns tensors only
 
 
 def _mix_site_fake(storage: Tensor, inv_storage: Tensor, num_stored: int, partial: Tensor, query: Tensor,
@@ -296,7 +299,9 @@ def fused_mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, 
     call. With `gain` (the site's key-norm weight), `query` is the raw pseudo-query and the two are
     folded in C++, as `fold_queries` would. Forward only: call it where `cpu_kernel_applies`."""
     args = (bank.storage, bank.inv_storage, bank.num_stored, acc(partial), query, gain, eps, dtype, keep_weights)
-    # Eager calls the extension directly (the op's dispatch costs about as much as a small site).
-    run = torch.ops.attnres.mix_site if torch.compiler.is_compiling() else _mix_site_impl
-    mixed, weights = run(*args)
-    return mixed, (weights if keep_weights else None)
+    if torch.compiler.is_compiling():
+        mixed, weights = torch.ops.attnres.mix_site(*args)
+        return mixed, (weights if keep_weights else None)
+    # Eager calls the extension directly: the op's dispatch, or one more Python frame, costs about as
+    # much as a decoding site's arithmetic. Without `keep_weights` the extension returns no weights.
+    return tuple((_module or _build()).mix_site(*args))

@@ -49,22 +49,24 @@ def site_mix(bank: DepthBank, partial: Tensor, proj_weight: Tensor, norm_weight:
     Returns the mix `[*tokens, d]` in the pseudo-query's dtype and, if `keep_weights`, the weights
     `[*tokens, n + 1]` (see `depth_attention.mix_site`).
     """
-    dtype, backend = proj_weight.dtype, site_backend(partial)
-    if backend == "cpu-kernel":                                        # folds the query in C++
-        return fused_mix_site(bank, partial, proj_weight, eps, dtype, keep_weights, gain=norm_weight)
-    if backend == "triton":                                            # folds the query in the kernel
-        return triton_mix_site(bank, partial, proj_weight, eps, dtype, keep_weights, gain=norm_weight)
+    # The backends are tested in `site_backend`'s order, inline: in eager decoding this function runs
+    # 2 * layers + 1 times per token, and each extra Python call costs as much as the kernel's work.
+    if cpu_kernel_applies(partial):                                    # folds the query in C++
+        return fused_mix_site(bank, partial, proj_weight, eps, proj_weight.dtype, keep_weights, gain=norm_weight)
+    if triton_applies(partial):                                        # folds the query in the kernel
+        return triton_mix_site(bank, partial, proj_weight, eps, proj_weight.dtype, keep_weights, gain=norm_weight)
     query = fold_queries(proj_weight, norm_weight[None])[0]            # [d]
-    return mix_site(bank, partial, query, eps, dtype, keep_weights)
+    return mix_site(bank, partial, query, eps, proj_weight.dtype, keep_weights)
 
 
 def site_push(bank: DepthBank, partial: Tensor, closes_block: bool,
               eps: float) -> tuple[DepthBank, Tensor | None]:
     """`depth_attention.push_block` by the backend that `site_mix` would use for this partial."""
-    backend = site_backend(partial) if closes_block else "torch"
-    if backend == "cpu-kernel":
+    if not closes_block:
+        return bank, partial
+    if cpu_kernel_applies(partial):
         return fused_push_source(bank, partial, eps), None
-    if backend == "triton":
+    if triton_applies(partial):
         return triton_push_source(bank, partial, eps), None
     return push_block(bank, partial, closes_block, eps)
 
