@@ -10,9 +10,11 @@ mix over earlier blocks of the same token, computed by the project's one site he
 The depth history (the stored sources and the running partial) lives for one forward pass: vLLM
 hands the model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
 position, so nothing goes into the KV cache, and prefill, decode, chunked prefill and prefix caching
-need nothing extra. The bank is a functional `DepthBank` grown by `site_push` as in the transformers
-model, not a module buffer written in place: under `torch.compile` (vLLM's default) an in-place
-write into a buffer becomes a copy of the whole buffer per write (the README has the measurement).
+need nothing extra. The bank is a `DepthBank` allocated by each forward pass with room for every
+source (`start_depth`) and filled in place by `site_push`, as in the transformers model. It must be
+a local of the forward pass and never a module buffer: under `torch.compile` (vLLM's default) an
+in-place write into a module buffer becomes a copy of the whole buffer per write, while a buffer
+created inside the traced forward is written in place (the README has both measurements).
 Which sites close a block is fixed at construction (Python bools per layer, from
 `config.depth_sites`), so the traced graph has no data-dependent branches.
 
@@ -220,7 +222,7 @@ class AttnResModel(nn.Module):
             embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
             bank, partial = self.start_depth(embeds)
         else:
-            bank, partial = unpack_depth(intermediate_tensors)
+            bank, partial = unpack_depth(intermediate_tensors, self.config.depth_sites[-1].num_stored)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             bank, partial = layer(positions, bank, partial)
         if not get_pp_group().is_last_rank:
@@ -229,11 +231,13 @@ class AttnResModel(nn.Module):
         return self.norm(out)
 
     def start_depth(self, embeds: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
-        """The depth history before layer 0: an empty bank and the embedding as the partial (block 0)."""
+        """The depth history before layer 0: an empty bank with room for every source of the schedule,
+        and the embedding as the partial (block 0)."""
         partial = add_to_partial(None, embeds)
-        # No preallocated capacity: the bank grows functionally (see the module docstring).
+        # The bank dtype comes from the config alone (not `site_bank`, which keeps float32 for the eager
+        # torch path): under pipeline parallelism every rank must agree on it before any forward pass.
         dtype = bank_dtype(self.config.attn_res_bank_dtype, embeds.dtype)
-        return empty_bank(partial, capacity=0, dtype=dtype), partial
+        return empty_bank(partial, self.config.depth_sites[-1].num_stored, dtype), partial
 
     def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype,
                                         device: torch.device) -> IntermediateTensors:
@@ -259,14 +263,23 @@ INTERMEDIATE_KEYS = ("bank_sources", "bank_inv_rms", "partial")
 
 
 def pack_depth(bank: DepthBank, partial: torch.Tensor) -> IntermediateTensors:
-    """What a non-last pipeline rank sends on: the stored sources, their inverse RMS, the partial."""
-    return IntermediateTensors(dict(zip(INTERMEDIATE_KEYS, (bank.sources, bank.inv_rms, partial))))
+    """What a non-last pipeline rank sends on: the stored sources, their inverse RMS, the partial
+    (the written rows only, contiguous, as the receive buffers of `make_empty_intermediate_tensors`)."""
+    tensors = (bank.sources.contiguous(), bank.inv_rms.contiguous(), partial)
+    return IntermediateTensors(dict(zip(INTERMEDIATE_KEYS, tensors)))
 
 
-def unpack_depth(intermediate_tensors: IntermediateTensors) -> tuple[DepthBank, torch.Tensor]:
-    """The depth history a non-first pipeline rank receives (see `pack_depth`)."""
+def unpack_depth(intermediate_tensors: IntermediateTensors, capacity: int) -> tuple[DepthBank, torch.Tensor]:
+    """The depth history a non-first pipeline rank receives (see `pack_depth`), in a bank with room for
+    `capacity` sources, so that this rank's blocks are stored in place too."""
     sources, inv_rms, partial = (intermediate_tensors[key] for key in INTERMEDIATE_KEYS)
-    return DepthBank(sources, inv_rms, num_stored=sources.shape[-2]), partial
+    n = sources.shape[-2]
+    bank = empty_bank(partial, capacity, sources.dtype)
+    if bank.storage.shape[-2] <= n:                        # nothing left to store here (or autograd)
+        return DepthBank(sources, inv_rms, num_stored=n), partial
+    bank.storage[..., :n, :] = sources
+    bank.inv_storage[..., :n] = inv_rms
+    return DepthBank(bank.storage, bank.inv_storage, num_stored=n), partial
 
 
 class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):

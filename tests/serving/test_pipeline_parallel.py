@@ -79,3 +79,30 @@ def test_stage_receive_buffer_shapes_and_dtypes(mode, start_layer, stored, bank,
         "bank_inv_rms": ((4, stored), torch.float32),
         "partial": ((4, 8), torch.float32),
     }
+
+
+def test_depth_history_round_trips_a_stage_boundary_and_is_stored_in_place_after_it():
+    """`pack_depth` sends the written rows only, contiguous; `unpack_depth` puts them in a bank with
+    room for the rest of the schedule, so the next stage's blocks are written in place (no `torch.cat`
+    copy of the earlier ones); a stage with nothing left to store uses the received tensors as they are."""
+    from attnres.serving.model import pack_depth, unpack_depth
+    from modeling_attnres.depth_attention import empty_bank, push_source
+
+    torch.manual_seed(0)
+    partial = torch.randn(3, 8)
+    with torch.inference_mode():
+        bank = empty_bank(partial, 5, torch.bfloat16)
+        for _ in range(2):
+            bank = push_source(bank, torch.randn(3, 8), 1e-6)
+        sent = pack_depth(bank, partial)
+        assert all(t.is_contiguous() for t in sent.tensors.values())
+        assert sent["bank_sources"].shape == (3, 2, 8) and torch.equal(sent["bank_sources"], bank.sources)
+        received, received_partial = unpack_depth(sent, capacity=5)
+        assert received.num_stored == 2 and received.storage.shape == (3, 5, 8)
+        assert torch.equal(received.sources, bank.sources) and torch.equal(received.inv_rms, bank.inv_rms)
+        assert torch.equal(received_partial, partial)
+        storage = received.storage
+        pushed = push_source(received, torch.randn(3, 8), 1e-6)
+        assert pushed.storage is storage and pushed.num_stored == 3            # in place
+        full, _ = unpack_depth(sent, capacity=2)
+        assert full.storage is sent["bank_sources"] and full.num_stored == 2
