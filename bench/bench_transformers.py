@@ -154,11 +154,13 @@ def memory_probe(args) -> None:
     the peak of the prefill alone over the RSS it started from (MiB).
 
     Loading peaks higher than a short prefill, so the process's lifetime peak (`ru_maxrss`) would hide
-    the prefill: after building, freed memory is returned to the system (`malloc_trim`) and the kernel's
-    high-water mark is reset (`/proc/self/clear_refs`), so that `VmHWM` is the prefill's own peak."""
+    the prefill. A first prefill pages in the weights (a checkpoint is memory-mapped) and the kernels'
+    one-time state; then freed memory is returned to the system (`malloc_trim`) and the kernel's
+    high-water mark is reset (`/proc/self/clear_refs`), so that `VmHWM` is the second prefill's peak."""
     torch.set_num_threads(args.threads)
     model = build(args.memory_probe, args, DTYPES[args.dtype])
     tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens))
+    prefill_fn(model, tokens)()
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as clear_refs:
