@@ -14,11 +14,12 @@ AttnRes/Llama ratio; the table reports medians. Peak memory is measured in a fre
 model: the peak RSS during the prefill (the process's whole footprint), and the prefill's own peak
 above the RSS it started from (activations and temporary buffers).
 
-`--modes eager cpu-kernel compiled` adds eager decoding with AttnRes's fused C++ site kernel
-(`modeling_attnres.enable_cpu_kernel()`; Llama runs as in `eager`) and the transformers recipe for
-fast decoding (a `StaticCache` and `torch.compile(model.forward, fullgraph=True)`) for both models;
-compiling takes minutes on a CPU. `--accuracy` first compares each model's bfloat16 logits with its
-own float64 logits on the same random tokens, AttnRes with each bank dtype (`attn_res_bank_dtype`).
+`--modes eager cpu-kernel compiled compiled-kernel` adds eager decoding with AttnRes's fused C++ site
+kernel (`modeling_attnres.enable_cpu_kernel()`; Llama runs as in `eager`), the transformers recipe for
+fast decoding (a `StaticCache` and `torch.compile(model.forward, fullgraph=True)`) for both models,
+and that recipe with the kernel called from AttnRes's compiled graph; compiling takes minutes on a CPU.
+`--accuracy` first compares each model's bfloat16 logits with its own float64 logits on the same
+random tokens, AttnRes with each bank dtype (`attn_res_bank_dtype`).
 """
 
 import argparse
@@ -116,8 +117,8 @@ def time_workloads(args, dtype_name: str, mode: str) -> list[list]:
     models = {kind: build(kind, args, dtype, device=args.device) for kind in ("attnres", "llama")}
     if args.bank_dtype:
         models["attnres"].config.attn_res_bank_dtype = args.bank_dtype
-    compiled = mode == "compiled"
-    enable_cpu_kernel(mode == "cpu-kernel")                                   # only AttnRes calls it
+    compiled = mode in ("compiled", "compiled-kernel")
+    enable_cpu_kernel(mode in ("cpu-kernel", "compiled-kernel"))              # only AttnRes calls it
     forwards = {k: torch.compile(m.forward, fullgraph=True, dynamic=False) if compiled else m
                 for k, m in models.items()}
     gen = torch.Generator().manual_seed(0)
@@ -250,9 +251,11 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "cpu-kernel", "compiled"),
-                        help="eager; eager with AttnRes's fused CPU site kernel; and/or StaticCache + "
-                             "torch.compile(fullgraph=True) for both models")
+    parser.add_argument("--modes", nargs="+", default=["eager"],
+                        choices=("eager", "cpu-kernel", "compiled", "compiled-kernel"),
+                        help="eager; eager with AttnRes's fused CPU site kernel; StaticCache + "
+                             "torch.compile(fullgraph=True) for both models; the same with the kernel "
+                             "(the compiled graph calls it as the custom op attnres::mix_site)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
