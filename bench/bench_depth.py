@@ -174,7 +174,8 @@ def run(tokens: int, mode: str, args) -> dict[str, float]:
     spb = 1 if args.mode == "full" else 2 * args.block_size
     # Pieces between attention ops: [site 0], [MLP l, attention l + 1], ..., [last MLP, output site].
     pieces = [(0,)] + [(j, j + 1) for j in range(1, sites, 2)]
-    enable_cpu_kernel(mode in ("cpu-kernel", "compiled-kernel", "piecewise-kernel"))
+    in_graphs = mode in ("compiled-kernel", "piecewise-kernel")            # the kernel as the op in the graphs
+    enable_cpu_kernel(mode == "cpu-kernel" or in_graphs, compiled=in_graphs)
     torch._dynamo.reset()                                      # each piece is its own graph: 5 x pieces
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 6 * len(pieces))
     paths = {}

@@ -118,7 +118,7 @@ def time_workloads(args, dtype_name: str, mode: str) -> list[list]:
     if args.bank_dtype:
         models["attnres"].config.attn_res_bank_dtype = args.bank_dtype
     compiled = mode in ("compiled", "compiled-kernel")
-    enable_cpu_kernel(mode in ("cpu-kernel", "compiled-kernel"))              # only AttnRes calls it
+    enable_cpu_kernel(mode in ("cpu-kernel", "compiled-kernel"), compiled=mode == "compiled-kernel")  # AttnRes only
     forwards = {k: torch.compile(m.forward, fullgraph=True, dynamic=False) if compiled else m
                 for k, m in models.items()}
     gen = torch.Generator().manual_seed(0)

@@ -8,12 +8,16 @@ as float32), and stores a completed block in place (`push_source`) in another.
 
 It is a sibling backend of the torch functions, not a second definition: `depth_attention.mix_site`
 stays the reference (the tests hold this kernel to it and to the float64 oracle) and the only path
-under autograd and on other devices. Under torch.compile the mix runs as the custom op
-`attnres::mix_site` (with a fake implementation for tracing), so compiled graphs call the kernel
-instead of generated code. The kernel is built from the source below with
+under autograd and on other devices. The kernel is built from the source below with
 `torch.utils.cpp_extension.load_inline` the first time it is enabled (a C++ compiler and ninja are
 needed; then cached in torch's extensions directory). It stays off unless asked for:
 `enable_cpu_kernel()`, or the environment variable `ATTNRES_CPU_KERNEL=1` (built at first use).
+
+Inside `torch.compile` the sites are left to Inductor's generated code unless asked for with
+`enable_cpu_kernel(compiled=True)` / `ATTNRES_CPU_KERNEL=compiled`: then the mix runs as the custom op
+`attnres::mix_site` (with a fake implementation for tracing). Measured on real weights, the op is
+slower there (it stops fusion, and compilation already removed the Python the kernel saves), so
+compiled graphs do not use it by default (README, "Performance").
 """
 
 import hashlib
@@ -206,7 +210,9 @@ void push_source(at::Tensor& storage, at::Tensor& inv_storage, int64_t n, const 
 """
 
 _module = None
-_enabled = os.environ.get("ATTNRES_CPU_KERNEL", "0").lower() in ("1", "true", "yes")
+_ENV = os.environ.get("ATTNRES_CPU_KERNEL", "0").lower()
+_enabled = _ENV in ("1", "true", "yes", "compiled")
+_in_graphs = _ENV == "compiled"                       # also inside torch.compile, as `attnres::mix_site`
 
 
 def _extension_name() -> str:
@@ -249,20 +255,21 @@ def _build():
     return _module
 
 
-def enable_cpu_kernel(enabled: bool = True) -> None:
-    """Use the fused CPU kernel for depth attention in inference (builds it now if needed);
-    `enable_cpu_kernel(False)` goes back to the torch path."""
-    global _enabled
+def enable_cpu_kernel(enabled: bool = True, compiled: bool = False) -> None:
+    """Use the fused CPU kernel for depth attention in eager inference (builds it now if needed);
+    `compiled=True` also inside `torch.compile` graphs (as the custom op `attnres::mix_site`, slower
+    than Inductor's code in our measurements); `enable_cpu_kernel(False)` goes back to the torch path."""
+    global _enabled, _in_graphs
     if enabled:
         _build()
-    _enabled = enabled
+    _enabled, _in_graphs = enabled, enabled and compiled
 
 
 def cpu_kernel_applies(partial: Tensor) -> bool:
     """Whether a site mixing `partial` runs the fused kernel: it is enabled, the tensors are on the
-    CPU and no gradient is being recorded. Under torch.compile it runs as the custom op
-    `attnres::mix_site`, an opaque call in the compiled graph."""
-    return _enabled and partial.device.type == "cpu" and not torch.is_grad_enabled()
+    CPU, no gradient is being recorded, and this is eager code or the kernel is enabled for graphs."""
+    return (_enabled and partial.device.type == "cpu" and not torch.is_grad_enabled()
+            and (_in_graphs or not torch.compiler.is_compiling()))
 
 
 def _mix_site_impl(storage: Tensor, inv_storage: Tensor, num_stored: int, partial: Tensor, query: Tensor,

@@ -145,9 +145,11 @@ def test_the_kernel_applies_only_to_cpu_inference():
         cpu.enable_cpu_kernel()
 
 
-def test_torch_compile_calls_the_kernel_as_a_custom_op():
-    """`fullgraph=True` fails on a graph break, so the site traced through `attnres::mix_site` and its
-    fake implementation; the result equals the torch reference."""
+@pytest.mark.parametrize("in_graphs", [False, True])
+def test_torch_compile_calls_the_kernel_as_a_custom_op_only_when_asked(in_graphs):
+    """With `compiled=True` the site traces through `attnres::mix_site` and its fake implementation
+    (`fullgraph=True` fails on a graph break); by default a compiled graph keeps Inductor's code for the
+    site (faster there). Either way the result equals the torch reference."""
     bank, partial, _, _ = case(3, (2, 5), 64, dtype=torch.float32, seed=8, room=1, bank_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(8)
     proj, gain = torch.randn(1, 64, generator=gen).bfloat16(), torch.randn(64, generator=gen).bfloat16()
@@ -158,10 +160,16 @@ def test_torch_compile_calls_the_kernel_as_a_custom_op():
         return gm.forward
 
     site = torch.compile(lambda *a: site_mix(*a, keep_weights=True), backend=backend, fullgraph=True)
+    cpu.enable_cpu_kernel(compiled=in_graphs)
+    try:
+        with torch.no_grad():
+            out, weights = site(bank, partial, proj, gain, EPS)
+    finally:
+        cpu.enable_cpu_kernel()
     with torch.no_grad():
-        out, weights = site(bank, partial, proj, gain, EPS)
         ref, ref_weights = mix_site(bank, partial, fold_queries(proj, gain[None])[0], EPS, torch.bfloat16, True)
-    assert any("attnres.mix_site" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+    calls_op = any("attnres.mix_site" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+    assert calls_op == in_graphs
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)   # one bf16 ulp: the final cast
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
@@ -214,12 +222,13 @@ def test_training_forward_keeps_the_torch_path_and_its_gradients():
     assert grads and all(g is not None for g in grads)
 
 
-def test_environment_variable_enables_it_at_import():
+@pytest.mark.parametrize("value, eager, in_graphs", [("1", True, False), ("compiled", True, True), ("0", False, False)])
+def test_environment_variable_enables_it_at_import(value, eager, in_graphs):
     code = ("import torch, modeling_attnres.depth_attention_cpu as cpu\n"
-            "with torch.no_grad(): print(cpu.cpu_kernel_applies(torch.zeros(1)))")
-    env = {**os.environ, "ATTNRES_CPU_KERNEL": "1"}
+            "with torch.no_grad(): print(cpu.cpu_kernel_applies(torch.zeros(1)), cpu._in_graphs)")
+    env = {**os.environ, "ATTNRES_CPU_KERNEL": value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.split() == [str(eager), str(in_graphs)], out.stderr[-3000:]
 
 
 def test_a_failed_build_says_what_is_missing(monkeypatch):
@@ -257,7 +266,7 @@ print(f"KERNEL_CALLS {len(calls)}")
 
 @pytest.mark.timeout(900)
 def test_vllm_compiled_with_the_kernel_op_generates_the_torch_paths_tokens(tmp_path):
-    """An in-process vLLM engine, compiled (vLLM's piecewise CPU graphs), with ATTNRES_CPU_KERNEL=1: the
+    """An in-process vLLM engine, compiled (vLLM's piecewise CPU graphs), with ATTNRES_CPU_KERNEL=compiled: the
     sites run as `attnres::mix_site` inside the graphs. In float32 the two paths' logits differ by
     rounding (~1e-6), far below the gaps between a random model's top logits, so the greedy tokens
     must equal those of the transformers model on the torch path exactly."""
@@ -274,7 +283,7 @@ def test_vllm_compiled_with_the_kernel_op_generates_the_torch_paths_tokens(tmp_p
                         for p in prompts]
     finally:
         cpu.enable_cpu_kernel()
-    env = {**os.environ, "ATTNRES_CPU_KERNEL": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    env = {**os.environ, "ATTNRES_CPU_KERNEL": "compiled", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_DISABLE_COMPILE_CACHE": "1"}
     log = tmp_path / "vllm.log"
     with open(log, "w") as out:
