@@ -1,13 +1,11 @@
-"""Reading source checkpoints (local or Hub) and writing the output folder atomically.
+"""Reading source checkpoints (local or Hub), checking the destination, carrying side files over.
 
 Sources: transformers folders (`model.safetensors`, sharded with `model.safetensors.index.json`, or
 `pytorch_model.bin`), and plain PyTorch state-dict files (`.pt`/`.bin`/`.pth`). Safetensors files
-are opened lazily, one tensor at a time. Output goes to a hidden sibling of DST that is renamed into
-place at the very end, so an error or an interrupt never leaves a half-written checkpoint at DST.
+are opened lazily, one tensor at a time. Writing the output is `publish.staged_folder`'s job.
 """
 
 import json
-import os
 import re
 import shutil
 from collections.abc import Iterable
@@ -164,45 +162,32 @@ def check_destination(dst: Path, src: Path, overwrite: bool) -> None:
                               "or choose another folder.")
 
 
-def staging_dir(dst: Path) -> Path:
-    """A fresh hidden sibling of DST (same filesystem, so the final rename is atomic)."""
-    dst = dst.resolve()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)   # left by a killed run with the same pid
-    tmp.mkdir()
-    return tmp
-
-
-def _umask_modes(folder: Path) -> None:
-    """Give every file the mode a plain `open()` would (transformers writes safetensors as 0600
-    temporary files), so a published checkpoint is as readable as anything else the user writes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in folder.iterdir():
-        if path.is_file():
-            path.chmod(0o666 & ~umask)
-
-
-def publish(tmp: Path, dst: Path) -> None:
-    """Move the finished `tmp` to `dst`, replacing an existing `dst` (the caller checked --overwrite)."""
-    dst = dst.resolve()
-    _umask_modes(tmp)
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def side_file_roots(src: Path) -> list[Path]:
+    """Where a side file of `src` may live once symlinks are resolved: inside `src` itself, and for a
+    Hub cache snapshot (`models--ORG--NAME/snapshots/SHA/`) in that repository's own `blobs/`."""
+    roots = [src.resolve()]
+    if src.parent.name == "snapshots":
+        roots.append((src.parent.parent / "blobs").resolve())
+    return roots
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
     """Copy tokenizer files, chat template, generation config and the like (every top-level file that
-    is not weights, config, code or the model card). Returns the copied names."""
+    is not weights, config, code or the model card). Returns the copied names.
+
+    Files are copied by content. A symlink is followed only when it resolves inside the source folder
+    (or, for a Hub cache snapshot, into the same repository's blobs); any other symlink is refused,
+    so that nothing outside the checkpoint is published (or pushed) by accident."""
     copied = []
+    roots = side_file_roots(src) if src.is_dir() else []
     for path in sorted(src.iterdir()) if src.is_dir() else []:
-        if path.is_file() and not path.name.startswith(".") and not NOT_CARRIED.match(path.name):
-            shutil.copyfile(path, dst / path.name)
-            copied.append(path.name)
+        if path.name.startswith(".") or NOT_CARRIED.match(path.name) or not path.is_file():
+            continue
+        target = path.resolve()
+        if path.is_symlink() and not any(target.is_relative_to(root) for root in roots):
+            raise ConversionError(f"{path} is a symlink to {target}, outside the checkpoint folder {src}; "
+                                  "side files are copied only from inside it. Replace the link with a copy of "
+                                  "the file (or remove it).")
+        shutil.copyfile(target, dst / path.name)
+        copied.append(path.name)
     return copied

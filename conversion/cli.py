@@ -14,13 +14,15 @@ from pathlib import Path
 
 from .converter import convert
 from .datatypes import DTYPES, ConversionResult, ConvertOptions
-from .errors import ConversionError
+from .errors import ConversionError, fail
 from .hub import push_folder
+
+PROG = "attnres-convert"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface; every option maps onto a `ConvertOptions` field."""
-    p = argparse.ArgumentParser(prog="attnres-convert", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="local folder, Hub repo id (ORG/NAME), a .pt/.bin state dict or a Llama .gguf file "
                    "(or a folder holding one)")
@@ -62,7 +64,7 @@ def summary(result: ConversionResult) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `attnres-convert`; returns the exit status (1 on a conversion error)."""
+    """Entry point of `attnres-convert`; returns the exit status (`errors`: 1 failed work, 2 bad usage)."""
     args = vars(build_parser().parse_args(argv))
     src, dst, repo, private = args.pop("src"), args.pop("dst"), args.pop("push_to_hub"), args.pop("private")
     try:
@@ -73,9 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{result.dst} was published anyway because of --keep-failed.", file=sys.stderr)
         if repo:
             print(f"Pushed to {push_folder(result.dst, repo, private=private)}")
-    except ConversionError as err:
-        print(f"attnres-convert: error: {err}", file=sys.stderr)
-        return 1
+    except (ConversionError, OSError) as err:
+        return fail(PROG, err)
     return 0
 
 

@@ -9,7 +9,6 @@ after the converted model has loaded and passed its verification; a failed verif
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -25,14 +24,13 @@ from .checkpoint_io import (
     copy_side_files,
     load_state_dict_file,
     open_checkpoint,
-    publish,
     resolve_source,
-    staging_dir,
 )
 from .datatypes import DTYPES, ConversionResult, ConvertOptions, Plan, VerifyReport
-from .errors import ConversionError
+from .errors import ConversionError, UsageError
 from .gguf_source import dequantised_folder, find_gguf
 from .keymap import TensorSource, TransformContext, apply_key_map, resolve_key_map, target_shapes
+from .publish import staged_folder
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
 from .standard import (
     architecture_of,
@@ -70,7 +68,7 @@ def output_dtype(source: TensorSource, name: str) -> torch.dtype:
         keys = list(source.keys())
         return source.get(next((k for k in keys if "embed_tokens" in k), keys[0])).dtype
     if name not in DTYPES:
-        raise ConversionError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
+        raise UsageError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
     return DTYPES[name]
 
 
@@ -78,7 +76,7 @@ def _reject_options(options: ConvertOptions, names: tuple[str, ...], why: str) -
     """Options that do not apply to this kind of source are an error, not silently ignored."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(options, n) != getattr(ConvertOptions(), n)]
     if given:
-        raise ConversionError(f"{', '.join(given)} do(es) not apply here: {why}")
+        raise UsageError(f"{', '.join(given)} do(es) not apply here: {why}")
 
 
 def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOptions,
@@ -139,7 +137,7 @@ def choose_stream_scale(folder: Path, config: AttnResConfig, dtype: torch.dtype,
     """
     if requested is not None:
         if not requested > 0:
-            raise ConversionError(f"--stream-scale must be positive, got {requested}.")
+            raise UsageError(f"--stream-scale must be positive, got {requested}.")
         return float(requested), {}
     if config.rms_norm_eps == 0 or dtype == torch.float16:
         return 1.0, {}
@@ -206,8 +204,7 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
     (or `options.keep_failed`)."""
     result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
                               plan.scale_errors, origin=origin)
-    tmp = staging_dir(dst)
-    try:
+    with staged_folder(dst) as tmp:            # DST was checked: absent, empty or --overwrite
         write_model(plan, tmp, options.max_shard_size)
         if plan.folder is not None:
             result.copied_files = copy_side_files(plan.folder, tmp)
@@ -219,10 +216,6 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
             if not result.verification.passed and not options.keep_failed:
                 raise VerificationFailed(dst, result.verification)
         write_model_card(tmp, result)
-        publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return result
 
 

@@ -10,11 +10,10 @@ itself is the GGUF's, not the conversion's, and is not part of either number.
 transformers marks a model loaded from a GGUF as quantized, and such a model refuses
 `save_pretrained`; so the dense model is rebuilt from its config (without `quantization_config`)
 and its state dict loaded into it. The dequantised copy is written next to DST (it needs the disk
-space of the model in float32) and removed when the conversion ends.
+space of the model in float32) and removed when the conversion ends, or by the next conversion to
+the same DST if this one is killed (`publish.scratch_folder`).
 """
 
-import os
-import shutil
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import ConversionError, listing
+from .publish import scratch_folder
 
 # GGUF `general.architecture` values whose transformers models the standard conversion carries
 # (llama.cpp also writes Mistral models as "llama"; transformers maps those back to Mistral).
@@ -129,15 +129,9 @@ def dequantised_folder(path: Path, dst: Path) -> Iterator[tuple[Path, str]]:
     Yields the folder and a description of the file's tensor types (for the summary and card).
     """
     types = inspect_gguf(path)
-    dst = dst.resolve()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    folder = dst.parent / f".{dst.name}.gguf-source-{os.getpid()}"
-    shutil.rmtree(folder, ignore_errors=True)
-    try:
+    with scratch_folder(dst) as folder:
         model, tokenizer = load_dequantised(path)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         del model
         yield folder, describe(types)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)

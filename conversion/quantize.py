@@ -20,7 +20,6 @@ not quantizable linear layers).
 import argparse
 import json
 import re
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,8 +27,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_io import check_destination, copy_side_files, open_checkpoint, publish, staging_dir
-from .errors import ConversionError, listing
+from .checkpoint_io import check_destination, copy_side_files, open_checkpoint
+from .errors import ConversionError, fail, listing
+from .publish import staged_folder
 
 # The linear layers vLLM runs through its quantizable `LinearBase` layers (qkv_proj, o_proj,
 # gate_up_proj, down_proj); nothing else in an AttnRes checkpoint is quantized.
@@ -102,15 +102,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
         raise ConversionError(f"No q/k/v/o/gate/up/down projection weights in {src} (keys such as "
                               f"{listing(list(tensors), limit=5)}); is it an AttnRes checkpoint?")
     config["quantization_config"] = quantization_config()
-    tmp = staging_dir(dst)
-    try:
+    with staged_folder(dst) as tmp:            # DST was checked: absent, empty or --overwrite
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copy_side_files(src, tmp)
-        publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return done
 
 
@@ -123,9 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         done = quantize_checkpoint(args.src, args.dst, overwrite=args.overwrite)
-    except ConversionError as err:
-        print(f"attnres-quantize: error: {err}", file=sys.stderr)
-        return 2
+    except (ConversionError, OSError) as err:
+        return fail("attnres-quantize", err)
     print(f"Quantized {len(done)} linear weights to int8 (W8A8, compressed-tensors) -> {args.dst}")
     return 0
 

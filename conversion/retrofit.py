@@ -28,16 +28,19 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-DEPTH_MARKERS = ("_res_proj.", "_res_norm.")
+from modeling_attnres.configuration_attnres import is_depth_parameter
+
+from .errors import ConversionError, UsageError, fail
+from .publish import staged_file, staged_folder, user_cache_dir
+
 TRAINABLE = {
-    "depth": DEPTH_MARKERS,              # pseudo-queries and key-norm gains
+    "depth": ("_res_proj.", "_res_norm."),  # pseudo-queries and key-norm gains (`is_depth_parameter`)
     "queries": ("_res_proj.",),          # pseudo-queries only
     "norms": ("layernorm.", "model.norm."),  # the backbone's RMSNorm gains (a control for a standard model)
     "all": ("",),
@@ -48,8 +51,8 @@ DEPTH_FORMAT = "attnres-depth-v1"
 DEPTH_CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "attn_res_mode", "attn_res_block_size")
 
 
-class RetrofitError(Exception):
-    """A user-facing error: bad model, corpus, arguments or depth file."""
+class RetrofitError(ConversionError):
+    """A user-facing error: bad model, corpus or depth file (exit 1; bad options are `UsageError`)."""
 
 
 # ----------------------------------------------------------------------------------------- args
@@ -63,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("corpus", type=Path, help="a text file or a folder of text files")
     p.add_argument("--out", type=Path, help="write the trained model here (default: WORK_DIR/final)")
     p.add_argument("--export-depth", type=Path, help="also write only the depth parameters to this .safetensors")
-    p.add_argument("--work-dir", type=Path, help="Trainer checkpoints (default: /tmp/attnres-retrofit/MODEL_NAME)")
+    p.add_argument("--work-dir", type=Path, help="Trainer checkpoints (default: the user cache, "
+                   "~/.cache/attnres/retrofit/MODEL_NAME)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work-dir")
     p.add_argument("--train", choices=sorted(TRAINABLE), default="depth",
                    help="depth: pseudo-queries + key-norm gains (default); queries; all: every parameter")
@@ -80,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, help="checkpoint and exit after this step (simulates an interruption)")
     args = p.parse_args(argv)
     args.pattern = tuple(args.pattern or DEFAULT_PATTERNS)
-    args.work_dir = args.work_dir or Path("/tmp/attnres-retrofit") / args.model.resolve().name
+    args.work_dir = args.work_dir or user_cache_dir() / "retrofit" / args.model.resolve().name
     return args
 
 
@@ -88,14 +92,14 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     """Reject values that would only fail later, naming the value and the fix."""
     for name in ("steps", "batch_size", "seq_len", "save_every"):
         if getattr(args, name) < 1:
-            raise RetrofitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.validation_percent < 100:
-        raise RetrofitError(f"--validation-percent must be in 1..99, got {args.validation_percent}")
+        raise UsageError(f"--validation-percent must be in 1..99, got {args.validation_percent}")
     if args.batch_size % world_size:
-        raise RetrofitError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
+        raise UsageError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
                             f"{world_size} processes; pass a multiple of {world_size}")
     if args.export_depth is not None and args.export_depth.suffix != ".safetensors":
-        raise RetrofitError(f"--export-depth {args.export_depth} must end in .safetensors")
+        raise UsageError(f"--export-depth {args.export_depth} must end in .safetensors")
 
 
 def check_attnres(path: Path) -> dict:
@@ -294,24 +298,16 @@ def train(model, train_windows: torch.Tensor, args, world_size: int = 1):
 
 
 def save_result(trainer, tokenizer, out: Path, metrics: dict) -> None:
-    """The trained model, tokenizer and `retrofit.json` into a temporary sibling, renamed into place
-    (every process calls this: saving gathers sharded weights under FSDP)."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    main = trainer.is_world_process_zero()
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)
-    trainer.accelerator.wait_for_everyone()
-    trainer.save_model(str(tmp))
-    if main:
-        tokenizer.save_pretrained(tmp)
-        (tmp / "training_args.bin").unlink(missing_ok=True)     # a pickle: not part of a published model
-        (tmp / "retrofit.json").write_text(json.dumps(metrics, indent=1) + "\n")
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+    """The trained model, tokenizer and `retrofit.json`, published at `out` atomically by the main
+    process (every process calls this: saving is collective under FSDP; only the main one writes)."""
+    if not trainer.is_world_process_zero():
+        trainer.save_model(str(out))
+    else:
+        with staged_folder(out) as tmp:
+            trainer.save_model(str(tmp))
+            tokenizer.save_pretrained(tmp)
+            (tmp / "training_args.bin").unlink(missing_ok=True)     # a pickle: not part of a published model
+            (tmp / "retrofit.json").write_text(json.dumps(metrics, indent=1) + "\n")
     trainer.accelerator.wait_for_everyone()
 
 
@@ -322,7 +318,7 @@ def depth_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys() if any(m in k + "." for m in DEPTH_MARKERS)})
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if is_depth_parameter(k)})
     if not tensors:
         raise RetrofitError(f"{folder} has no depth-attention tensors (*_res_proj, *_res_norm) in its safetensors")
     return tensors
@@ -336,10 +332,8 @@ def export_depth(folder: Path, dst: Path, metadata: dict) -> int:
     meta = {"format": DEPTH_FORMAT, **{k: str(config.get(k)) for k in DEPTH_CONFIG_KEYS},
             **{k: str(v) for k, v in metadata.items()}}
     tensors = {k: v.float().contiguous() for k, v in depth_state_dict(folder).items()}
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, dst)
+    with staged_file(dst) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
     return len(tensors)
 
 
@@ -362,7 +356,7 @@ def apply_depth_parameters(model, path: Path) -> dict:
              if meta.get(k) != str(getattr(model.config, k, None))]
     if wrong:
         raise RetrofitError(f"{path} was trained on a different model ({'; '.join(wrong)})")
-    params = {n: p for n, p in model.named_parameters() if any(m in n + "." for m in DEPTH_MARKERS)}
+    params = {n: p for n, p in model.named_parameters() if is_depth_parameter(n)}
     missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or unexpected or any(params[k].shape != v.shape for k, v in tensors.items()):
         raise RetrofitError(f"{path} does not match the model's depth parameters (missing: {missing[:3]}, "
@@ -412,9 +406,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         metrics = retrofit(args)
-    except RetrofitError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (ConversionError, OSError) as err:
+        return fail("attnres-retrofit", err)
     if int(os.environ.get("RANK", "0")) == 0 and "interrupted_at" not in metrics:
         summary = {k: v for k, v in metrics.items() if k != "history"}
         summary["heldout_ppl_before"] = math.exp(metrics["heldout_loss_before"])

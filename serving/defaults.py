@@ -1,45 +1,46 @@
 """What `attnres-serve` serves when it is not told, the built-in model names and where they are cached.
 
-- `DEFAULT_MODEL` (`builtin:smollm2-135m-attnres`, served as `smollm2-135m-attnres`): SmolLM2-135M-
-  Instruct converted to AttnRes, built on first use from a wheel on the package registry
-  (`default_model`). What `attnres-serve` (and `make serve`) serves with no model argument.
-- `SHIPPED_MODEL` (`models/attnres-tiny`, served as `attnres-tiny`): the small model trained in this
-  repository (`examples/train.py`); the fallback when the default cannot be built (no registry).
-- `RANDOM_MODEL` (`builtin:attnres-random`, served as `attnres-random`): tiny random weights with a
-  character tokenizer (`random_model`), for tests; the last fallback, where the repository is absent.
+Built-in models are named `builtin:NAME` and served as `NAME`:
 
-Built models live in the cache directory: `$ATTNRES_CACHE_DIR`, else `$XDG_CACHE_HOME/attnres`, else
-`~/.cache/attnres`.
+- `builtin:smollm2-135m-attnres` (`DEFAULT_MODEL`): SmolLM2-135M-Instruct converted to AttnRes with the
+  shipped retrofitted depth parameters, built on first use from a wheel on the package registry
+  (`default_model`). What `attnres-serve` (and `make serve`) serves with no model argument.
+- `builtin:attnres-tiny` (`SHIPPED_MODEL`): the small model trained by `examples/train.py`, shipped in
+  the package (`attnres.models`); the fallback when the default cannot be built (no registry).
+- `builtin:attnres-random` (`RANDOM_MODEL`): tiny random weights with a character tokenizer
+  (`random_model`), for tests; never a fallback.
+
+A built-in model whose shipped files are missing from the install is refused in one line; nothing
+else is served in its place. Built models live in `publish.user_cache_dir()`.
 """
 
-import os
 import sys
-from pathlib import Path
+
+from attnres.conversion.errors import UsageError
+from attnres.conversion.publish import user_cache_dir
+from attnres.models import MissingShippedFile, shipped_model_path
 
 from . import default_model
 from .random_model import ensure_random_model
 
-DEFAULT_MODEL = f"builtin:{default_model.SERVED_NAME}"
+BUILTIN = "builtin:"
 DEFAULT_SERVED_NAME = default_model.SERVED_NAME
-SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "attnres-tiny"
 SHIPPED_SERVED_NAME = "attnres-tiny"
-RANDOM_MODEL = "builtin:attnres-random"
 RANDOM_SERVED_NAME = "attnres-random"
+DEFAULT_MODEL = BUILTIN + DEFAULT_SERVED_NAME
+SHIPPED_MODEL = BUILTIN + SHIPPED_SERVED_NAME
+RANDOM_MODEL = BUILTIN + RANDOM_SERVED_NAME
+BUILTIN_MODELS = (DEFAULT_MODEL, SHIPPED_MODEL, RANDOM_MODEL)
 
 
-def cache_dir() -> Path:
-    """Where built models live (not in the repository)."""
-    if os.environ.get("ATTNRES_CACHE_DIR"):
-        return Path(os.environ["ATTNRES_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnres"
+def cache_dir():
+    """Where built models live (`publish.user_cache_dir`; not in the repository)."""
+    return user_cache_dir()
 
 
 def served_name(model: str) -> str | None:
     """The `--served-model-name` of a built-in model (`None` for any other model)."""
-    names = {DEFAULT_MODEL: DEFAULT_SERVED_NAME, RANDOM_MODEL: RANDOM_SERVED_NAME,
-             str(SHIPPED_MODEL): SHIPPED_SERVED_NAME}
-    return names.get(model)
+    return model.removeprefix(BUILTIN) if model in BUILTIN_MODELS else None
 
 
 def _log(message: str) -> None:
@@ -47,34 +48,36 @@ def _log(message: str) -> None:
 
 
 def resolve_model(name: str) -> str:
-    """A model argument as vLLM takes it: a `builtin:` name becomes its folder in the cache (built on
-    first use, errors raised); anything else is returned unchanged."""
+    """A model argument as vLLM takes it: a `builtin:` name becomes its folder (built on first use,
+    errors raised); an unknown `builtin:` name is refused; anything else is returned unchanged."""
     if name == DEFAULT_MODEL:
         return str(default_model.ensure_default_model(cache_dir(), log=_log))
+    if name == SHIPPED_MODEL:
+        return str(shipped_model_path())
     if name == RANDOM_MODEL:
         return str(ensure_random_model(cache_dir()))
+    if name.startswith(BUILTIN):
+        raise UsageError(f"unknown built-in model {name!r}; the built-in models are {', '.join(BUILTIN_MODELS)}")
     return name
 
 
-def fallback_model() -> str:
-    """What to serve when the default cannot be built: the trained shipped model, else the random one."""
-    return str(SHIPPED_MODEL) if (SHIPPED_MODEL / "config.json").exists() else RANDOM_MODEL
-
-
 def resolve_default() -> tuple[str, str]:
-    """`(folder, served name)` of the default model, or of `fallback_model()` when it cannot be built
-    here (no registry, a wrong download, a failed verification), which is said in one line on stderr."""
+    """`(folder, served name)` of the default model, or of the shipped `attnres-tiny` when the default
+    cannot be built here (no registry, a wrong download, a failed verification), said in one line on
+    stderr. A missing shipped file is never worked around: it raises `MissingShippedFile`."""
     from attnres.conversion import ConversionError
 
     try:
         return resolve_model(DEFAULT_MODEL), DEFAULT_SERVED_NAME
+    except MissingShippedFile:
+        raise
     except (default_model.DefaultModelUnavailable, ConversionError, OSError) as err:
-        fallback = fallback_model()
+        folder = resolve_model(SHIPPED_MODEL)
         reason = " ".join(str(err).split())[:300]
-        _log(f"cannot build the default model {DEFAULT_SERVED_NAME} ({reason}); serving {served_name(fallback)} "
-             f"({fallback}) instead")
-        return resolve_model(fallback), served_name(fallback)
+        _log(f"cannot build the default model {DEFAULT_SERVED_NAME} ({reason}); serving {SHIPPED_SERVED_NAME} "
+             f"({folder}) instead")
+        return folder, SHIPPED_SERVED_NAME
 
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_SERVED_NAME", "RANDOM_MODEL", "RANDOM_SERVED_NAME", "SHIPPED_MODEL",
-           "SHIPPED_SERVED_NAME", "cache_dir", "fallback_model", "resolve_default", "resolve_model", "served_name"]
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "DEFAULT_SERVED_NAME", "RANDOM_MODEL", "RANDOM_SERVED_NAME",
+           "SHIPPED_MODEL", "SHIPPED_SERVED_NAME", "cache_dir", "resolve_default", "resolve_model", "served_name"]

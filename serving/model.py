@@ -47,19 +47,16 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from modeling_attnres.configuration_attnres import AttnResConfig
-from modeling_attnres.depth_attention import DepthBank, add_to_partial, bank_dtype, empty_bank
-from modeling_attnres.depth_attention_ops import site_mix, site_push
+from modeling_attnres.configuration_attnres import SEED_SITE_ALIASES, AttnResConfig
+from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank
+from modeling_attnres.depth_attention_ops import site_bank, site_mix, site_push
 
 # The one table of checkpoint names (HF name -> this module's name). q/k/v and gate/up load into the
 # fused `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the seed pseudo-code's names
-# for the attention site (`attn_res_proj` / `attn_res_norm`) are aliases. The leading dots keep
-# `.attn_res_proj.` from matching `output_attn_res_proj`.
+# for the attention site (`SEED_SITE_ALIASES`) are aliases. The leading dots keep `.attn_res_proj.`
+# from matching `output_attn_res_proj`.
 HF_TO_VLLM = WeightsMapper(
-    orig_to_new_substr={
-        ".attn_res_proj.": ".self_attention_res_proj.",
-        ".attn_res_norm.": ".self_attention_res_norm.",
-    },
+    orig_to_new_substr={f".{seed}.": f".{ours}." for seed, ours in SEED_SITE_ALIASES.items()},
     orig_to_new_stacked={
         ".q_proj": (".qkv_proj", "q"),
         ".k_proj": (".qkv_proj", "k"),
@@ -233,11 +230,7 @@ class AttnResModel(nn.Module):
     def start_depth(self, embeds: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
         """The depth history before layer 0: an empty bank with room for every source of the schedule,
         and the embedding as the partial (block 0)."""
-        partial = add_to_partial(None, embeds)
-        # The bank dtype comes from the config alone (not `site_bank`, which keeps float32 for the eager
-        # torch path): under pipeline parallelism every rank must agree on it before any forward pass.
-        dtype = bank_dtype(self.config.attn_res_bank_dtype, embeds.dtype)
-        return empty_bank(partial, self.config.depth_sites[-1].num_stored, dtype), partial
+        return site_bank(embeds, self.config, same_on_every_rank=True), add_to_partial(None, embeds)
 
     def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype,
                                         device: torch.device) -> IntermediateTensors:

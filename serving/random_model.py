@@ -7,11 +7,11 @@ exact parity checks cheap. It is not the server's default (see `defaults`).
 """
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from attnres.conversion.publish import staged_folder
 
 # Bump when the checkpoint's recipe changes, so that stale caches are regenerated.
 RANDOM_MODEL_VERSION = "1"
@@ -94,22 +94,17 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, dtype: torch.d
 
 
 def ensure_random_model(root: str | os.PathLike) -> Path:
-    """The random model's directory under `root` (`attnres-random-v1`), generated on first use
-    (atomically: temp dir, rename; a concurrent writer's result is kept)."""
-    root = Path(root)
-    target = root / f"attnres-random-v{RANDOM_MODEL_VERSION}"
+    """The random model's directory under `root` (`attnres-random-v1`), generated on first use and
+    published atomically; a concurrent writer that published first is kept."""
+    target = Path(root) / f"attnres-random-v{RANDOM_MODEL_VERSION}"
     if (target / "config.json").exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".attnres-random-", dir=root))
     try:
-        write_tiny_checkpoint(tmp, seed=0)
-        os.replace(tmp, target)
-    except OSError:
-        if not (target / "config.json").exists():                   # not just a concurrent writer
+        with staged_folder(target, overwrite=False) as tmp:
+            write_tiny_checkpoint(tmp, seed=0)
+    except FileExistsError:
+        if not (target / "config.json").exists():
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

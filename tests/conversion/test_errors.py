@@ -1,6 +1,8 @@
 """Bad inputs: a clear error naming the value and the fix, and nothing left at DST or beside it."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +131,27 @@ def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
     (tmp_path / "notes.txt").write_text("x")
     refuse(tmp_path, tmp_path / "notes.txt", "is not a state dict")
     assert json.loads((llama_src / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_side_files_are_copied_only_from_inside_the_checkpoint(tmp_path, llama_src):
+    """A side file that links outside SRC is refused (its target would be published and pushed); a link
+    inside SRC, or into the Hub cache's own blobs, is copied by content."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of the model")
+    (llama_src / "notes.txt").symlink_to(secret)
+    refuse(tmp_path, llama_src, r"notes\.txt is a symlink to .*secret\.txt, outside the checkpoint folder")
+    (llama_src / "notes.txt").unlink()
+    (llama_src / "inside.txt").write_text("kept")
+    (llama_src / "alias.txt").symlink_to(llama_src / "inside.txt")
+    convert(llama_src, tmp_path / "dst", ConvertOptions(verify=False))
+    assert (tmp_path / "dst" / "alias.txt").read_text() == "kept" and not (tmp_path / "dst" / "alias.txt").is_symlink()
+    repo = tmp_path / "hub" / "models--me--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots").mkdir()
+    snapshot = repo / "snapshots" / "abc"
+    shutil.copytree(llama_src, snapshot)
+    (repo / "blobs" / "1234").write_text("from the blob")
+    (snapshot / "inside.txt").unlink()
+    (snapshot / "inside.txt").symlink_to(Path("../../blobs/1234"))
+    convert(snapshot, tmp_path / "dst2", ConvertOptions(verify=False))
+    assert (tmp_path / "dst2" / "inside.txt").read_text() == "from the blob"

@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from attnres.conversion import retrofit
+from attnres.conversion.errors import UsageError
+from attnres.models import shipped_model_path
 from tests.helpers import tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "models" / "attnres-tiny"
+SHIPPED = shipped_model_path()
 CORPUS_MODULES = ("abc", "bisect", "colorsys", "copy", "fnmatch", "functools", "glob", "heapq", "keyword",
                   "linecache", "opcode", "operator", "queue", "shlex", "string", "textwrap")
 HELDOUT_MODULES = ("contextlib", "dataclasses")          # not in the corpus at all: an independent held-out text
@@ -135,8 +136,11 @@ def test_resume_equals_an_uninterrupted_run(zeroed, corpus, tmp_path):
 
 
 def error_of(capsys, *argv) -> str:
-    assert retrofit.main([str(a) for a in argv]) == 2
-    return capsys.readouterr().err
+    """The one-line error of a run whose inputs cannot be used (exit status 1: failed work)."""
+    assert retrofit.main([str(a) for a in argv]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]     # earlier lines: progress bars of the fixtures
+    assert last.startswith("attnres-retrofit: error: "), last
+    return last
 
 
 def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
@@ -159,8 +163,10 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
     assert "no checkpoint-* folder" in error_of(capsys, zeroed, corpus, *TINY, "--resume",
                                                 "--work-dir", tmp_path / "none")
     assert "--batch-size 3 (the global batch) must be a multiple of the 2 processes" in str(
-        pytest.raises(retrofit.RetrofitError, retrofit.check_args, retrofit.parse_args(
+        pytest.raises(UsageError, retrofit.check_args, retrofit.parse_args(
             [str(zeroed), str(corpus), "--batch-size", "3"]), 2).value)
+    assert retrofit.main([str(zeroed), str(corpus), "--steps", "0"]) == 2          # bad usage
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "attnres-retrofit: error: --steps must be >= 1, got 0"
 
 
 def test_apply_refuses_a_file_from_another_model(tmp_path):

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from attnres.models import shipped_model_path
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-SHIPPED_MODEL = REPO / "models" / "attnres-tiny"
+SHIPPED_MODEL = shipped_model_path()
 # Small, stable stdlib modules: enough text for a 300-token BPE and a few hundred training windows.
 TINY_CORPUS_MODULES = ("abc", "bisect", "colorsys", "copy", "fnmatch", "functools", "glob", "heapq", "keyword",
                        "linecache", "opcode", "operator", "queue", "random", "shlex", "string", "textwrap",
@@ -34,9 +36,6 @@ def tiny_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shipped():
     """The committed model and tokenizer, loaded once through the Auto classes."""
-    if not (SHIPPED_MODEL / "config.json").is_file():
-        pytest.fail(f"the shipped model is missing at {SHIPPED_MODEL}; train it with examples/train.py --arch block "
-                    f"--out models/attnres-tiny")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

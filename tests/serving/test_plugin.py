@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from attnres.models import shipped_model_path
 from attnres.serving import cli
 from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME, SHIPPED_MODEL, SHIPPED_SERVED_NAME
 
@@ -100,8 +101,8 @@ def test_serve_argv_adds_the_pipeline_worker_only_where_needed():
 
 def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
     """Named built-in models get their served names (the default model: tests/serving/test_default_model.py)."""
-    argv = cli.serve_argv([str(SHIPPED_MODEL), "--port", "9000"], cpu=True, env={})
-    assert argv[:2] == ["serve", str(SHIPPED_MODEL)] and (SHIPPED_MODEL / "model.safetensors").exists()
+    argv = cli.serve_argv([SHIPPED_MODEL, "--port", "9000"], cpu=True, env={})
+    assert argv[:2] == ["serve", str(shipped_model_path())] and (shipped_model_path() / "model.safetensors").exists()
     assert argv[2:] == ["--port", "9000", "--served-model-name", SHIPPED_SERVED_NAME, "--host", "127.0.0.1",
                         *GRACE, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
@@ -144,7 +145,7 @@ def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        problem = cli.startup_problem(["serve", str(SHIPPED_MODEL), "--port", str(port), "--host=127.0.0.1"])
+        problem = cli.startup_problem(["serve", str(shipped_model_path()), "--port", str(port), "--host=127.0.0.1"])
         assert problem.startswith(f"cannot listen on 127.0.0.1:{port}")
-    assert cli.startup_problem(["serve", str(SHIPPED_MODEL), "--port", str(port)]) is None
+    assert cli.startup_problem(["serve", str(shipped_model_path()), "--port", str(port)]) is None
     assert cli.startup_problem(["serve", "--help"]) is None

@@ -7,7 +7,6 @@ runs the int8 weights and quantizes activations) and stay near the unquantized m
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +15,12 @@ from safetensors import safe_open
 from attnres.conversion.errors import ConversionError
 from attnres.conversion.quantize import main as quantize_main
 from attnres.conversion.quantize import quantize_checkpoint
+from attnres.models import shipped_model_path
 from tests.serving.engine import free_llm, load_hf, make_llm
 
 # The repository's trained model: int8 error on random weights says little about real checkpoints
 # (a random model amplifies it through every layer), a trained model is what people quantize.
-SHIPPED = Path(__file__).resolve().parents[2] / "models" / "attnres-tiny"
+SHIPPED = shipped_model_path()
 STEPS = 16
 TEXTS = ["def fibonacci(n):", "import os\n", "class Config:\n    def __init__(self"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -18,15 +18,15 @@ import subprocess
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
+from attnres.models import shipped_model_path
 from attnres.serving import cli
 from attnres.serving.launcher import ServerProcess, group_members, serve_command
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "attnres-tiny"
+MODEL = shipped_model_path()
 SERVED = "attnres-tiny"
 MAX_MODEL_LEN = json.loads((MODEL / "config.json").read_text())["max_position_embeddings"]
 VOCAB_SIZE = json.loads((MODEL / "config.json").read_text())["vocab_size"]

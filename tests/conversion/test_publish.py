@@ -1,0 +1,126 @@
+"""`attnres.conversion.publish`: every writer's atomic publish, its cleanup on errors and signals, and the
+removal of what killed writers left behind (by their free lock, never a live writer's)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attnres.conversion.publish import remove_dead_stagings, staged_file, staged_folder
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from attnres.conversion.publish import staged_folder
+with staged_folder(Path(sys.argv[1])) as tmp:
+    (tmp / "part").write_text("half")
+    print("staging", flush=True)
+    time.sleep(120)
+"""
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def tree(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+def start_writer(dst: Path) -> subprocess.Popen:
+    """A process inside `staged_folder(dst)` with a half-written file (waits until it got there)."""
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(dst)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "staging"
+    return proc
+
+
+def old_folder(tmp_path: Path) -> Path:
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old").write_text("old")
+    return dst
+
+
+def test_a_finished_folder_replaces_the_old_one_and_leaves_nothing_else(tmp_path):
+    dst = old_folder(tmp_path)
+    with staged_folder(dst) as tmp:
+        assert tmp.parent == tmp_path and tmp.is_dir() and not any(tmp.iterdir())
+        (tmp / "new").write_text("new")
+        assert tree(dst) == {"old": "old"}                       # readers see the old state until the end
+    assert names(tmp_path) == ["out"] and tree(dst) == {"new": "new"}
+    assert oct((dst / "new").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_an_error_leaves_the_destination_as_it_was(tmp_path):
+    dst = old_folder(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"), staged_folder(dst) as tmp:
+        (tmp / "new").write_text("new")
+        raise RuntimeError("boom")
+    assert names(tmp_path) == ["out"] and tree(dst) == {"old": "old"}
+
+
+def test_without_overwrite_an_existing_destination_is_kept(tmp_path):
+    dst = old_folder(tmp_path)
+    with pytest.raises(FileExistsError), staged_folder(dst, overwrite=False) as tmp:
+        (tmp / "new").write_text("new")
+    assert names(tmp_path) == ["out"] and tree(dst) == {"old": "old"}
+
+
+def test_a_file_is_replaced_in_one_rename(tmp_path):
+    dst = tmp_path / "depth.safetensors"
+    dst.write_text("old")
+    with staged_file(dst) as tmp:
+        tmp.write_text("new")
+    assert names(tmp_path) == [dst.name] and dst.read_text() == "new"
+    with pytest.raises(FileNotFoundError, match="nothing was written"), staged_file(dst):
+        pass
+    assert names(tmp_path) == [dst.name] and dst.read_text() == "new"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_clean_up_and_exit_non_zero(tmp_path, sig):
+    dst = old_folder(tmp_path)
+    proc = start_writer(dst)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 128 + sig
+    assert names(tmp_path) == ["out"] and tree(dst) == {"old": "old"}
+
+
+def test_what_a_killed_writer_left_is_removed_by_the_next_one_but_a_live_writers_is_kept(tmp_path):
+    dst = old_folder(tmp_path)
+    killed, live = start_writer(dst), start_writer(tmp_path / "other")
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+        left = [n for n in names(tmp_path) if n.startswith(".out.staging-")]
+        assert len(left) == 2, names(tmp_path)                    # its staging and its lock file
+        live_files = [n for n in names(tmp_path) if n.startswith(".other.staging-")]
+        removed = remove_dead_stagings(tmp_path)
+        assert [p.name for p in removed] == [n for n in left if not n.endswith(".lock")]
+        assert names(tmp_path) == sorted(["out", *live_files])     # the live writer's staging is kept
+        with staged_folder(dst) as tmp:
+            (tmp / "new").write_text("new")
+        assert tree(dst) == {"new": "new"} and names(tmp_path) == sorted(["out", *live_files])
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+
+
+def test_an_interrupted_writer_leaves_no_trace_within_a_second(tmp_path):
+    """Ctrl-C (KeyboardInterrupt) in the middle of writing: the staging is gone when the process is."""
+    dst = old_folder(tmp_path)
+    proc = start_writer(dst)
+    began = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0 and time.monotonic() - began < 30
+    assert names(tmp_path) == ["out"] and tree(dst) == {"old": "old"}

@@ -1,0 +1,146 @@
+"""The product as users install it: a wheel built from this checkout, installed (not editable) into a
+throwaway environment and run from a folder outside the checkout.
+
+The environment reuses the test environment's third-party packages through a `.pth` path line (a
+plain path: the editable install's own import hooks in that folder are not run), so only `attnres`
+and `modeling_attnres` come from the wheel, and every check below fails if the code finds a file
+through the checkout's layout or the wheel leaves a run-time file out.
+"""
+
+import hashlib
+import json
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_bounded
+
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME_FOLDERS = {"modeling_attnres": "modeling_attnres", "conversion": "attnres/conversion",
+                   "serving": "attnres/serving", "models": "attnres/models"}
+
+
+class Installed:
+    """A throwaway environment with the wheel installed; `run` runs Python code in it from `cwd`."""
+
+    def __init__(self, root: Path, wheel: Path):
+        self.root, self.wheel = root, wheel
+        self.python = root / "env" / "bin" / "python"
+        self.cwd = root / "elsewhere"
+        self.cwd.mkdir(exist_ok=True)
+
+    def run(self, code: str, env: dict[str, str] | None = None, timeout: float = 600) -> dict:
+        """Run `code` (which prints one JSON line last) in the environment; returns that JSON."""
+        done = run_bounded([str(self.python), "-c", code], timeout=timeout, cwd=self.cwd,
+                           env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **(env or {})})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def tracked_runtime_files() -> list[str]:
+    """The checkout's files that the package needs at run time, as paths inside the wheel."""
+    listed = subprocess.run(["git", "ls-files", *RUNTIME_FOLDERS], cwd=REPO, capture_output=True, text=True,
+                            timeout=60, check=True).stdout.split()
+    return [RUNTIME_FOLDERS[p.split("/", 1)[0]] + "/" + p.split("/", 1)[1] for p in listed]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Installed:
+    root = tmp_path_factory.mktemp("install")
+    built = run_bounded([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                         "--wheel-dir", str(root / "dist"), str(REPO)], timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (root / "dist").glob("attnres-*.whl")
+    made = run_bounded([sys._base_executable, "-m", "venv", "--without-pip", str(root / "env")], timeout=120)
+    assert made.returncode == 0, made.stderr
+    env_site = Path(sysconfig.get_path("purelib", vars={"base": str(root / "env")}))
+    (env_site / "test-environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    done = run_bounded([sys.executable, "-m", "pip", "--python", str(root / "env" / "bin" / "python"), "install",
+                        "--no-deps", "--no-index", "--quiet", str(wheel)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Installed(root, wheel)
+
+
+def test_the_wheel_holds_every_runtime_file(installed):
+    names = set(zipfile.ZipFile(installed.wheel).namelist())
+    missing = [f for f in tracked_runtime_files() if f not in names]
+    assert not missing, f"the wheel lacks run-time files: {missing}"
+    assert not [n for n in names if n.split("/")[0] in ("conversion", "serving", "models", "tests")], \
+        "generic top-level names in the wheel"
+
+
+def test_the_installed_package_runs_from_its_own_files(installed):
+    got = installed.run("""
+import importlib.metadata, json, attnres.serving, attnres.conversion, attnres.models, modeling_attnres
+from attnres.models import depth_parameters_path, shipped_model_path
+plugin = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "attnres"]
+print(json.dumps({"files": [m.__file__ for m in (attnres.serving, attnres.conversion, attnres.models,
+                                                 modeling_attnres)],
+                  "resources": [str(shipped_model_path()), str(depth_parameters_path())],
+                  "plugin": [e.value for e in plugin], "plugin_file": plugin[0].load().__module__}))
+""")
+    env = str(installed.root / "env")
+    assert all(path.startswith(env) for path in got["files"] + got["resources"]), got
+    assert got["plugin"] == ["attnres.serving.plugin:register"], got
+
+
+def test_the_default_model_applies_the_shipped_depth_parameters(installed, real_default_model):
+    """`attnres-serve`'s default, resolved by the installed package against the cache the real default
+    was built in: the folder named for the installed depth file, holding exactly its parameters."""
+    root, _ = real_default_model
+    got = installed.run("""
+import json, torch
+from safetensors.torch import load_file
+from attnres.models import depth_parameters_path
+from attnres.serving.defaults import resolve_default
+folder, name = resolve_default()
+depth = load_file(depth_parameters_path())
+weights = {}
+for shard in __import__("pathlib").Path(folder).glob("*.safetensors"):
+    weights.update(load_file(shard))
+print(json.dumps({"folder": folder, "name": name, "count": len(depth),
+                  "equal": all(torch.equal(weights[k].float(), v.float()) for k, v in depth.items()),
+                  "nonzero": sum(bool(v.abs().sum() > 0) for k, v in depth.items() if "_res_proj" in k)}))
+""", env={"ATTNRES_CACHE_DIR": str(root)})
+    digest = hashlib.sha256((REPO / "models" / "smollm2-135m-attnres-depth.safetensors").read_bytes()).hexdigest()
+    assert got["name"] == "smollm2-135m-attnres" and got["folder"].endswith(f"-depth-{digest[:12]}"), got
+    assert got["count"] > 0 and got["equal"] and got["nonzero"] > 0, got
+
+
+def test_offline_the_default_falls_back_to_the_trained_shipped_model(installed, tmp_path):
+    """No registry: one line says so and the shipped `attnres-tiny` is served, the very weights trained
+    in this repository (not the random model)."""
+    (tmp_path / "no-wheels").mkdir()
+    got = installed.run("""
+import hashlib, json, pathlib
+from attnres.serving.defaults import resolve_default
+folder, name = resolve_default()
+weights = pathlib.Path(folder) / "model.safetensors"
+print(json.dumps({"folder": folder, "name": name, "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}))
+""", env={"ATTNRES_CACHE_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null",
+          "PIP_FIND_LINKS": str(tmp_path / "no-wheels")})
+    trained = hashlib.sha256((REPO / "models" / "attnres-tiny" / "model.safetensors").read_bytes()).hexdigest()
+    assert got["name"] == "attnres-tiny" and got["folder"].startswith(str(installed.root / "env")), got
+    assert got["sha256"] == trained, got
+
+
+def test_a_missing_shipped_file_is_refused_in_one_line(installed, tmp_path):
+    """The depth file removed from the install: the default is refused (one line, exit 1), never built
+    without it."""
+    env_models = next((installed.root / "env").rglob("attnres/models"))
+    depth = env_models / "smollm2-135m-attnres-depth.safetensors"
+    aside = depth.rename(tmp_path / depth.name)
+    try:
+        done = run_bounded([str(installed.root / "env" / "bin" / "attnres-serve"), "--port", "1"], timeout=300,
+                           cwd=installed.cwd, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                                                   "ATTNRES_CACHE_DIR": str(tmp_path / "cache")})
+    finally:
+        aside.rename(depth)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("attnres-serve: error: the attnres package ships smollm2-135m-attnres-depth"), lines
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
