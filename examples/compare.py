@@ -30,7 +30,7 @@ def load_run(folder: Path) -> dict:
     ckpt, metrics_file = folder / "checkpoint.pt", folder / "metrics.json"
     if not ckpt.is_file():
         raise SystemExit(f"error: {ckpt} does not exist; pass the --work-dir of an examples/train.py run")
-    state = torch.load(ckpt, weights_only=False, map_location="cpu")
+    state = torch.load(ckpt, weights_only=True, map_location="cpu")
     args = state["args"]
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     finished = "val_loss" in metrics and metrics.get("steps_done") == int(args["steps"])

@@ -4,8 +4,8 @@
     .venv/bin/python examples/generate.py --prompt "class Stack:" --max-new-tokens 80
     .venv/bin/python examples/generate.py --model path/to/checkpoint --sample
 
-The default model (`models/attnres-tiny`) was trained by `examples/train.py` on CPython's
-standard library, so it continues Python code; nothing is downloaded.
+The default model (the shipped `attnres-tiny`, `attnres.models.shipped_model_path()`) was trained by
+`examples/train.py` on CPython's standard library, so it continues Python code; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "attnres-tiny"
+from attnres.models import shipped_model_path
+
+DEFAULT_MODEL = shipped_model_path()
 DEFAULT_PROMPT = "class Reader:\n    def __init__(self"
 
 

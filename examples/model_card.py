@@ -9,11 +9,12 @@ card (`README.md`). It is written to a temporary sibling folder and renamed into
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from attnres.conversion.publish import staged_folder
 
 HELDOUT_FILE = "heldout_sample.txt"
 # The card line the tests parse; keep the wording and the 4 decimals stable.
@@ -45,25 +46,16 @@ def export_model(model, tok, args, metrics: dict, heldout: str, defaults: dict) 
 
     `defaults` are the training script's default arguments, for the card's reproduce command."""
     out = Path(args.out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dtype = getattr(torch, args.save_dtype)
-    model.to(dtype).save_pretrained(tmp)
-    model.to(torch.float32)
-    tok.save_pretrained(tmp)
-    generation_config(model).save_pretrained(tmp)
-    (tmp / HELDOUT_FILE).write_text(heldout, encoding="utf-8")
-    summary = {k: v for k, v in metrics.items() if k != "history"}
-    (tmp / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (tmp / "README.md").write_text(card_text(model, args, summary, defaults), encoding="utf-8")
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+    with staged_folder(out) as tmp:
+        dtype = getattr(torch, args.save_dtype)
+        model.to(dtype).save_pretrained(tmp)
+        model.to(torch.float32)
+        tok.save_pretrained(tmp)
+        generation_config(model).save_pretrained(tmp)
+        (tmp / HELDOUT_FILE).write_text(heldout, encoding="utf-8")
+        summary = {k: v for k, v in metrics.items() if k != "history"}
+        (tmp / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (tmp / "README.md").write_text(card_text(model, args, summary, defaults), encoding="utf-8")
     print(f"wrote {out}", file=sys.stderr)
     return out
 

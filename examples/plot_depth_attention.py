@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+
+from attnres.conversion.publish import staged_file
 
 FALLBACK_TEXT = '''import os
 
@@ -155,10 +156,9 @@ def render_png(rows, sites, sources, out: Path, title: str) -> None:
                     color="black" if value > 0.6 else "white")
     fig.colorbar(image, ax=ax, label="mean depth-attention weight")
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, format="png")
+    with staged_file(out) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def check_output(out: Path) -> None:

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
 from attnres.conversion import retrofit
+from attnres.conversion.publish import user_cache_dir
 
 QUESTIONS = ("What is the capital of France?", "What is 2 + 2?")
 
@@ -36,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--converted", type=Path, required=True, help="its attnres-convert output (zero queries)")
     p.add_argument("--retrofitted", type=Path, required=True, help="attnres-retrofit's --out folder")
     p.add_argument("--corpus", type=Path, required=True)
-    p.add_argument("--control-out", type=Path, default=Path("/tmp/attnres-retrofit/control"))
+    p.add_argument("--control-out", type=Path, default=user_cache_dir() / "retrofit" / "control")
     p.add_argument("--control-lr", type=float, default=1e-2,
                    help="learning rate of the control's RMSNorm gains (the retrofit's own lr is in retrofit.json)")
     p.add_argument("--json", type=Path, help="also write the results here")

@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnres_data as data  # noqa: E402
 from model_card import export_model  # noqa: E402
 
+from attnres.conversion.publish import staged_file, user_cache_dir  # noqa: E402
+
 ARCHS = ("block", "full", "llama")
 # Arguments that change the data, the model or the optimisation: a checkpoint written under
 # different values cannot be resumed (output paths, thread count and logging may change freely).
@@ -46,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=ARCHS, default="block", help="residual path (default: block)")
     p.add_argument("--out", type=Path, help="write the trained model folder here (save_pretrained layout)")
-    p.add_argument("--work-dir", type=Path, help="checkpoints and token cache (default /tmp/attnres-train/ARCH)")
+    p.add_argument("--work-dir", type=Path, help="checkpoints and token cache (default: the user cache, "
+                   "~/.cache/attnres/train/ARCH)")
     p.add_argument("--corpus-root", type=Path, help="folder of .py files (default: this Python's stdlib)")
     p.add_argument("--validation-percent", type=int, default=data.VALIDATION_PERCENT)
     p.add_argument("--seed", type=int, default=0)
@@ -72,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--fsdp", action="store_true", help="shard parameters over the processes (FSDP2) instead of DDP")
     args = p.parse_args(argv)
-    args.work_dir = args.work_dir or Path("/tmp/attnres-train") / args.arch
+    args.work_dir = args.work_dir or user_cache_dir() / "train" / args.arch
     return args
 
 
@@ -103,7 +106,7 @@ def prepare_data(args):
     key = {k: str(getattr(args, k)) for k in ("corpus_root", "validation_percent", "vocab_size", "seq_len")}
     cache = args.work_dir / "data.pt"
     if cache.exists():
-        blob = torch.load(cache, weights_only=False)
+        blob = torch.load(cache, weights_only=True)
         if blob["key"] == key:
             from tokenizers import Tokenizer
 
@@ -248,11 +251,10 @@ def load_full_state(model, optimizer, model_state: dict, optim_state: dict) -> N
 
 
 def atomic_save(obj, path: Path) -> None:
-    """`torch.save` to a temporary name, then rename: an interrupted save never leaves a torn file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """`torch.save` published atomically (`attnres.conversion.publish`): never a torn file. Only tensors,
+    numbers, strings and containers of them, so that `torch.load(weights_only=True)` reads it back."""
+    with staged_file(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args, history: list, seconds: float) -> None:
@@ -276,7 +278,7 @@ def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args, hi
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, args) -> tuple[int, list, float]:
     """Restore a checkpoint written by the same command; returns (next step, loss history, seconds)."""
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)
     expected = {k: str(getattr(args, k)) for k in RESUME_KEYS}
     changed = {k: (state["args"].get(k), v) for k, v in expected.items() if state["args"].get(k) != v}
     if changed:

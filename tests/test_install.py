@@ -9,6 +9,7 @@ through the checkout's layout or the wheel leaves a run-time file out.
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_bounded
+from tests.support.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME_FOLDERS = {"modeling_attnres": "modeling_attnres", "conversion": "attnres/conversion",
@@ -41,18 +42,33 @@ class Installed:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def checkout_files(*folders: str) -> list[str]:
+    """The files a clean clone of this checkout holds (committed, or new and not ignored)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *folders], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    return [p for p in listed if (REPO / p).is_file()]
+
+
 def tracked_runtime_files() -> list[str]:
     """The checkout's files that the package needs at run time, as paths inside the wheel."""
-    listed = subprocess.run(["git", "ls-files", *RUNTIME_FOLDERS], cwd=REPO, capture_output=True, text=True,
-                            timeout=60, check=True).stdout.split()
-    return [RUNTIME_FOLDERS[p.split("/", 1)[0]] + "/" + p.split("/", 1)[1] for p in listed]
+    return [RUNTIME_FOLDERS[p.split("/", 1)[0]] + "/" + p.split("/", 1)[1] for p in checkout_files(*RUNTIME_FOLDERS)]
+
+
+def clean_copy(dest: Path) -> Path:
+    """The checkout's files copied to `dest`, without build leftovers (a stale `build/` would hide a
+    file the package configuration leaves out)."""
+    for name in checkout_files():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, dest / name)
+    return dest
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Installed:
     root = tmp_path_factory.mktemp("install")
+    source = clean_copy(root / "source")
     built = run_bounded([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                         "--wheel-dir", str(root / "dist"), str(REPO)], timeout=600)
+                         "--wheel-dir", str(root / "dist"), str(source)], timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (root / "dist").glob("attnres-*.whl")
     made = run_bounded([sys._base_executable, "-m", "venv", "--without-pip", str(root / "env")], timeout=120)
@@ -103,7 +119,7 @@ weights = {}
 for shard in __import__("pathlib").Path(folder).glob("*.safetensors"):
     weights.update(load_file(shard))
 print(json.dumps({"folder": folder, "name": name, "count": len(depth),
-                  "equal": all(torch.equal(weights[k].float(), v.float()) for k, v in depth.items()),
+                  "equal": all(torch.equal(weights[k], v.to(weights[k].dtype)) for k, v in depth.items()),
                   "nonzero": sum(bool(v.abs().sum() > 0) for k, v in depth.items() if "_res_proj" in k)}))
 """, env={"ATTNRES_CACHE_DIR": str(root)})
     digest = hashlib.sha256((REPO / "models" / "smollm2-135m-attnres-depth.safetensors").read_bytes()).hexdigest()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_bounded
+from tests.support.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden-size", "128", "--num-hidden-layers", "4", "--num-attention-heads", "2",   # head_dim 64:

@@ -7,7 +7,6 @@ trained to use depth attention, so the depth parameters have something to learn 
 """
 
 import json
-import shutil
 import sysconfig
 from pathlib import Path
 
@@ -19,19 +18,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from attnres.conversion import retrofit
 from attnres.conversion.errors import UsageError
-from attnres.models import shipped_model_path
-from tests.helpers import tiny_model
+from modeling_attnres.configuration_attnres import is_depth_parameter
+from tests.support.models import tiny_model
+from tests.support.training import RETROFIT_ARGS, write_corpus, write_zeroed
 
-SHIPPED = shipped_model_path()
-CORPUS_MODULES = ("abc", "bisect", "colorsys", "copy", "fnmatch", "functools", "glob", "heapq", "keyword",
-                  "linecache", "opcode", "operator", "queue", "shlex", "string", "textwrap")
 HELDOUT_MODULES = ("contextlib", "dataclasses")          # not in the corpus at all: an independent held-out text
-TINY = ["--pattern", "*.py", "--validation-percent", "20", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-2",
-        "--warmup", "1", "--eval-windows", "8"]
-
-
-def is_depth(name: str) -> bool:
-    return "_res_proj." in name or "_res_norm." in name
 
 
 def site_index(name: str, num_sites: int) -> int:
@@ -40,29 +31,6 @@ def site_index(name: str, num_sites: int) -> int:
         return num_sites - 1
     layer = int(name.split(".")[2])
     return 2 * layer + (".mlp_res_" in name)
-
-
-def write_zeroed(folder: Path) -> Path:
-    """The shipped model with uniform depth mixing (zero queries, unit key gains), saved to `folder`."""
-    model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "_res_proj." in name:
-                param.zero_()
-            elif "_res_norm." in name:
-                param.fill_(1.0)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(SHIPPED).save_pretrained(folder)
-    return folder
-
-
-def write_corpus(root: Path) -> Path:
-    """A folder of small stdlib modules (nothing downloads)."""
-    root.mkdir(parents=True, exist_ok=True)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in CORPUS_MODULES:
-        shutil.copyfile(stdlib / f"{name}.py", root / f"{name}.py")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +55,7 @@ def reference_loss(folder: Path) -> float:
 
 
 def run(model, corpus, work, *extra):
-    args = retrofit.parse_args([str(model), str(corpus), "--work-dir", str(work), *TINY, *extra])
+    args = retrofit.parse_args([str(model), str(corpus), "--work-dir", str(work), *RETROFIT_ARGS, *extra])
     return retrofit.retrofit(args)
 
 
@@ -105,10 +73,10 @@ def test_retrofit_lowers_heldout_loss_and_keeps_the_backbone(zeroed, corpus, tmp
         moved = not torch.equal(old[name], new[name])
         if "_res_proj." in name:          # a site that sees one source has nothing to choose: no gradient
             assert moved == (sites[site_index(name, len(sites))].num_stored > 0), name
-        elif not is_depth(name):
+        elif not is_depth_parameter(name):
             assert not moved, f"{name} moved: the backbone must stay frozen"
     exported = load_file(depth)
-    assert sorted(exported) == sorted(n for n in new if is_depth(n))
+    assert sorted(exported) == sorted(n for n in new if is_depth_parameter(n))
     assert metrics["trained_parameters"] == sum(v.numel() for v in exported.values())
     for name, tensor in exported.items():
         torch.testing.assert_close(tensor, new[name].float(), rtol=0, atol=0)
@@ -160,7 +128,7 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
     assert "shorter than one window of --seq-len 100000" in error_of(capsys, zeroed, corpus, "--pattern", "*.py",
                                                                        "--validation-percent", "20",
                                                                        "--seq-len", "100000")
-    assert "no checkpoint-* folder" in error_of(capsys, zeroed, corpus, *TINY, "--resume",
+    assert "no checkpoint-* folder" in error_of(capsys, zeroed, corpus, *RETROFIT_ARGS, "--resume",
                                                 "--work-dir", tmp_path / "none")
     assert "--batch-size 3 (the global batch) must be a multiple of the 2 processes" in str(
         pytest.raises(UsageError, retrofit.check_args, retrofit.parse_args(

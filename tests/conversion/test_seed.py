@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from attnres.conversion import ConversionError, ConvertOptions, convert
 from tests.conversion.builders import TINY, token_ids
-from tests.helpers import oracle_state_dict, tiny_model
 from tests.oracle import naive_forward
+from tests.support.models import oracle_state_dict, tiny_model
 
 SEED_NAMES = {".self_attention_res_": ".attn_res_", "model.output_attn_res_": "model.final_attn_res_"}
 

@@ -4,9 +4,6 @@ global batch, and their checkpoints reload (under another process count)."""
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,43 +12,28 @@ import torch
 import train
 from safetensors.torch import load_file
 
-from tests.conversion.test_retrofit import TINY as RETROFIT_TINY
-from tests.conversion.test_retrofit import write_corpus, write_zeroed
-from tests.examples.test_train import TINY_ARGS
+from attnres.serving.launcher import free_port
+from tests.support.processes import run_bounded
+from tests.support.training import RETROFIT_ARGS, TRAIN_ARGS, write_corpus, write_zeroed
 
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 STEPS = ["--steps", "6", "--checkpoint-every", "3"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: list[str], log: Path, timeout: int = 150) -> None:
-    """`accelerate launch` with 2 processes (torchrun; gloo on CPUs), output to `log`, bounded in time."""
+    """`accelerate launch` with 2 processes (torchrun; gloo on CPUs), bounded in time, no worker left."""
     cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1",
            "--main_process_port", str(free_port()), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"accelerate launch timed out after {timeout} s; log:\n{log.read_text()[-3000:]}")
-        finally:                                # also on pytest-timeout or Ctrl-C: no worker outlives the test
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
-    assert code == 0, f"accelerate launch exited {code}; log:\n{log.read_text()[-3000:]}"
+    done = run_bounded(cmd, timeout=timeout, env=env)
+    log.write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, f"accelerate launch exited {done.returncode} (None: timed out after {timeout} s); " \
+        f"log:\n{log.read_text()[-3000:]}"
 
 
 def train_args(corpus, work, *extra) -> list[str]:
-    return ["--corpus-root", str(corpus), "--work-dir", str(work), *TINY_ARGS, *STEPS, *extra]
+    return ["--corpus-root", str(corpus), "--work-dir", str(work), *TRAIN_ARGS, *STEPS, *extra]
 
 
 def run_in_process(corpus, work, *extra) -> dict:
@@ -61,7 +43,7 @@ def run_in_process(corpus, work, *extra) -> dict:
 
 
 def checkpoint(work: Path) -> dict:
-    return torch.load(work / "checkpoint.pt", weights_only=False)
+    return torch.load(work / "checkpoint.pt", weights_only=True)
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -105,7 +87,7 @@ def test_retrofit_ddp_matches_one_process(tmp_path):
     from attnres.conversion import retrofit
 
     zeroed, corpus = write_zeroed(tmp_path / "zeroed"), write_corpus(tmp_path / "corpus")
-    common = [str(zeroed), str(corpus), *RETROFIT_TINY, "--steps", "4"]
+    common = [str(zeroed), str(corpus), *RETROFIT_ARGS, "--steps", "4"]
     one = retrofit.retrofit(retrofit.parse_args([*common, "--work-dir", str(tmp_path / "w1"),
                                                  "--out", str(tmp_path / "one")]))
     launch(["-m", "attnres.conversion.retrofit", *common, "--work-dir", str(tmp_path / "w2"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.examples.conftest import EXAMPLES, REPO, SHIPPED_MODEL
-from tests.helpers import tiny_config
+from tests.support.models import tiny_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,14 +6,12 @@ import pytest
 import torch
 import train
 
-TINY_ARGS = ["--validation-percent", "20", "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4",
-             "--hidden-size", "32", "--layers", "3", "--heads", "2", "--kv-heads", "2", "--intermediate-size", "64",
-             "--warmup", "2", "--lr", "1e-2", "--eval-windows", "8", "--checkpoint-every", "4"]
+from tests.support.training import TRAIN_ARGS
 
 
 def run(tiny_corpus, work_dir, *extra):
     """Run the script in-process (no interpreter start-up) and return its metrics."""
-    args = train.parse_args(["--corpus-root", str(tiny_corpus), "--work-dir", str(work_dir), *TINY_ARGS, *extra])
+    args = train.parse_args(["--corpus-root", str(tiny_corpus), "--work-dir", str(work_dir), *TRAIN_ARGS, *extra])
     train.check_args(args)
     return train.train(args)
 

@@ -7,7 +7,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDa
 from transformers import AutoConfig
 
 from modeling_attnres import AttnResConfig
-from tests.helpers import tiny_config
+from tests.support.models import tiny_config
 
 
 def test_defaults_and_derived_fields():

@@ -11,8 +11,8 @@ import torch
 import modeling_attnres.depth_attention_cpu as cpu
 from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
 from modeling_attnres.depth_attention_ops import site_mix
-from tests.helpers import tiny_model
 from tests.oracle import naive_mix
+from tests.support.models import tiny_model
 
 EPS = 1e-6
 

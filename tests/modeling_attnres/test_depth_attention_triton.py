@@ -22,8 +22,8 @@ import torch
 import modeling_attnres.depth_attention_triton as tri
 from modeling_attnres.depth_attention import DepthBank, empty_bank, mix_site, push_source
 from modeling_attnres.depth_attention_ops import site_backend
-from tests.helpers import tiny_model
 from tests.oracle import naive_mix
+from tests.support.models import tiny_model
 
 EPS = 1e-6
 REPO = Path(__file__).resolve().parents[2]

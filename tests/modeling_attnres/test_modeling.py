@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from modeling_attnres import AttnResForCausalLM, AttnResModel
-from tests.helpers import tiny_config, tiny_model
+from tests.support.models import tiny_config, tiny_model
 
 
 def spec_parameter_names(num_layers, attention_bias=False, qk_norm=False, tied=False):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tests.helpers import oracle_state_dict, tiny_model
 from tests.oracle import naive_forward
+from tests.support.models import oracle_state_dict, tiny_model
 
 CASES = {
     "block1": dict(attn_res_block_size=1),

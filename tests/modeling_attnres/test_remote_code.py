@@ -9,7 +9,7 @@ import textwrap
 import torch
 
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
-from tests.helpers import tiny_model
+from tests.support.models import tiny_model
 
 LOAD_WITHOUT_PACKAGE = textwrap.dedent(
     """

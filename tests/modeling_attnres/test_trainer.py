@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from modeling_attnres import AttnResForCausalLM
-from tests.helpers import tiny_config
+from tests.support.models import tiny_config
 
 
 class RepeatingTokens(torch.utils.data.Dataset):

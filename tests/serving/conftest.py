@@ -1,4 +1,4 @@
-"""Fixtures for the vLLM tests: a test-only vLLM environment and in-process engines.
+"""Fixtures for the vLLM tests: a test-only vLLM environment, tiny checkpoints and the module's server.
 
 The environment is set for the tests of this package only (`vllm_environment`, a package-scoped
 autouse fixture, restored after the package's last test so that no later test sees it): the
@@ -46,3 +46,43 @@ def checkpoints(tmp_path_factory):
 
     return make
 
+
+@pytest.fixture(scope="module")
+def server_cache(tmp_path_factory) -> Path:
+    """The module server's own `ATTNRES_CACHE_DIR` (where it builds `builtin:` models)."""
+    return tmp_path_factory.mktemp("attnres-cache")
+
+
+@pytest.fixture(scope="module")
+def server(request, server_cache):
+    """One real `attnres-serve` process per test module, started with the module's `SERVER_ARGS` (and
+    `SERVER_ENV`) on a free loopback port, its engine core in its own process as users run it. A
+    module's last test may stop it with SIGTERM and check that this sufficed; the teardown only cleans
+    up (SIGKILL included) after a failure."""
+    from attnres.serving.launcher import ServerProcess
+
+    env = {"ATTNRES_CACHE_DIR": str(server_cache), "VLLM_ENABLE_V1_MULTIPROCESSING": None,
+           **getattr(request.module, "SERVER_ENV", {})}
+    proc = ServerProcess(request.module.SERVER_ARGS, env=env, startup_timeout=600)
+    proc.start()
+    print(f"attnres-serve ({request.module.__name__}) healthy after {proc.startup_seconds:.1f} s")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The `openai` client of the module's server (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=getattr(server, "api_key", None) or "unused",
+                         max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def multirank(tmp_path_factory):
+    """`(results, checkpoint paths)` of every multi-rank engine, run once per session in one subprocess
+    (`tests.support.multirank`)."""
+    from tests.support import multirank
+
+    return multirank.results(tmp_path_factory.mktemp("multirank"))

@@ -15,13 +15,14 @@ in-process engines of every later test module.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.serving.engine import free_llm, load_hf, make_llm
+from tests.support.engines import EnginePool, generate, make_llm
+from tests.support.processes import run_bounded
+from tests.support.reference import load_hf, teacher_forced
 
 STEPS = 16
 BLOCK = 32                                       # vLLM's CPU attention needs multiples of 32
@@ -42,35 +43,23 @@ SCHEMA = {
 }
 
 
-class Engines:
-    """One live in-process engine at a time (features, then pooling)."""
-
-    def __init__(self, path):
-        self.path, self.kind, self.llm = path, None, None
-
-    def get(self, kind: str):
-        if kind != self.kind:
-            self.close()
-            extra = FEATURES if kind == "features" else dict(runner="pooling", convert="embed")
-            self.llm, self.kind = make_llm(self.path, enforce_eager=True, **extra), kind
-        return self.llm
-
-    def close(self) -> None:
-        if self.llm is not None:
-            free_llm(self.llm)
-            self.llm, self.kind = None, None
-
-
 @pytest.fixture(scope="module")
 def path(checkpoints):
     return checkpoints("features", seed=7)
 
 
 @pytest.fixture(scope="module")
-def engines(path):
-    pool = Engines(path)
+def engines():
+    pool = EnginePool()
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def engine(engines, path):
+    """`engine("features")` (the features on) or `engine("pooling")`: the pool's live engine of that kind."""
+    kinds = {"features": FEATURES, "pooling": dict(runner="pooling", convert="embed")}
+    return lambda kind: engines.get(kind, lambda: make_llm(path, enforce_eager=True, **kinds[kind]))
 
 
 @pytest.fixture(scope="module")
@@ -84,34 +73,28 @@ def counters(llm) -> dict[str, float]:
 
 
 def hf_argmax(hf, prompt: list[int], tokens: list[int]) -> list[int]:
-    """transformers' greedy choice at each of `tokens` after `prompt`, by one forward pass: the greedy
-    continuation is `tokens` exactly when this returns `tokens`."""
-    with torch.no_grad():
-        return hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].argmax(-1).tolist()
+    """transformers' greedy choice at each of `tokens` after `prompt`: the greedy continuation is
+    `tokens` exactly when this returns `tokens`."""
+    return teacher_forced(hf, prompt, tokens).argmax(-1).tolist()
 
 
-def greedy(llm, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+def greedy(llm, prompts: list[list[int]]) -> list[list[int]]:
+    return [tokens for tokens, _ in generate(llm, prompts, STEPS)]
 
 
 @pytest.fixture(scope="module")
-def long_run(engines, hf):
+def long_run(engine, hf):
     """The 200-token prompt through the features engine: `(tokens, counter deltas, transformers' greedy
     choices along those tokens)`."""
-    llm = engines.get("features")
+    llm = engine("features")
     before = counters(llm)
     tokens = greedy(llm, [LONG])[0]
     after = counters(llm)
     return tokens, {k: after[k] - before.get(k, 0) for k in after}, hf_argmax(hf, LONG, tokens)
 
 
-def test_chunked_prefill_of_a_long_prompt(engines, long_run):
-    config = engines.get("features").llm_engine.vllm_config.scheduler_config
+def test_chunked_prefill_of_a_long_prompt(engine, long_run):
+    config = engine("features").llm_engine.vllm_config.scheduler_config
     assert config.enable_chunked_prefill and config.max_num_batched_tokens == CHUNK < len(LONG)
     tokens, delta, expected = long_run
     assert delta["vllm:prompt_tokens"] == len(LONG)
@@ -139,19 +122,11 @@ with open(out, "w") as f:
 
 @pytest.mark.timeout(300)
 def test_ngram_speculative_decoding_keeps_greedy_tokens(path, hf, tmp_path):
-    out, log = tmp_path / "ngram.json", tmp_path / "ngram.log"
+    out = tmp_path / "ngram.json"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", NGRAM_CHILD, str(path), json.dumps(LONG), str(STEPS), str(out)],
-                                env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait(timeout=30)
-    assert code == 0 and out.exists(), log.read_text()[-4000:]
+    done = run_bounded([sys.executable, "-c", NGRAM_CHILD, str(path), json.dumps(LONG), str(STEPS), str(out)],
+                       timeout=240, env=env)
+    assert done.returncode == 0 and out.exists(), (done.stdout + done.stderr)[-4000:]
     result = json.loads(out.read_text())
     expected = hf_argmax(hf, LONG, result["tokens"])
     assert result["tokens"] == expected, f"n-gram speculation: vLLM {result['tokens']} != transformers {expected}"
@@ -160,8 +135,8 @@ def test_ngram_speculative_decoding_keeps_greedy_tokens(path, hf, tmp_path):
     assert counts["vllm:spec_decode_num_accepted_tokens"] > 0, "no draft token accepted: verification untested"
 
 
-def test_prefix_caching_hits_and_same_tokens(engines, hf):
-    llm = engines.get("features")
+def test_prefix_caching_hits_and_same_tokens(engine, hf):
+    llm = engine("features")
     first, second = PREFIX + [20, 21, 22], PREFIX + [30, 31]
     before = counters(llm)
     got = greedy(llm, [first]) + greedy(llm, [second])       # two calls: the second finds the first's blocks
@@ -171,22 +146,22 @@ def test_prefix_caching_hits_and_same_tokens(engines, hf):
     assert got == [hf_argmax(hf, first, got[0]), hf_argmax(hf, second, got[1])]
 
 
-def test_structured_output_follows_a_json_schema(engines):
+def test_structured_output_follows_a_json_schema(engine):
     import jsonschema
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    outs = engines.get("features").generate(["Answer:", "{"], params, use_tqdm=False)
+    outs = engine("features").generate(["Answer:", "{"], params, use_tqdm=False)
     for out in outs:
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
-def test_pooling_runner_embeds_like_transformers(engines, hf):
+def test_pooling_runner_embeds_like_transformers(engine, hf):
     from vllm.inputs import TokensPrompt
 
-    llm = engines.get("pooling")
+    llm = engine("pooling")
     prompts = [PREFIX[:5], LONG[:40]]
     outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
     for prompt, out in zip(prompts, outs):

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from attnres.serving.launcher import ServerProcess
-from tests.serving.engine import free_llm, hf_greedy, load_hf, make_llm
+from tests.support.engines import chosen_logprobs, free_llm, make_llm
+from tests.support.engines import generate as generate_tokens
+from tests.support.reference import hf_greedy, load_hf
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 8
@@ -54,15 +56,8 @@ def lora(checkpoints, tmp_path_factory):
 
 def generate(llm, lora_request=None) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and each chosen token's logprob, per prompt."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
-                        lora_request=lora_request, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                              o.outputs[0].logprobs)])
-            for o in outs]
+    return [(tokens, chosen_logprobs(tokens, steps))
+            for tokens, steps in generate_tokens(llm, PROMPTS, STEPS, logprobs=1, lora_request=lora_request)]
 
 
 @pytest.fixture(scope="module")

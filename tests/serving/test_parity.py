@@ -10,13 +10,11 @@ keys) is checked on a live engine.
 import pytest
 import torch
 
-from tests.serving.engine import free_llm, hf_greedy, load_hf, make_llm
+from tests.support.engines import EnginePool, free_llm, generate, make_llm
+from tests.support.parity import PROMPTS, assert_matches, reference
+from tests.support.reference import load_hf
 
 STEPS = 10
-LOGPROB_ATOL = 2e-4
-# Lengths 1..19, token ids past the special tokens; deterministic.
-_gen = torch.Generator().manual_seed(1234)
-PROMPTS = [torch.randint(8, 104, (n,), generator=_gen).tolist() for n in (1, 4, 7, 12, 19)]
 BATCHES = [[0], [1, 3], [0, 1, 2, 3, 4]]
 
 VARIANTS = {
@@ -27,79 +25,32 @@ VARIANTS = {
 }
 
 
-def run_vllm(llm, prompts: list[list[int]]):
-    """Greedy generation with top-5 logprobs; returns `[(tokens, logprobs)]` per prompt."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
-
-
-def reference_logprobs(hf_model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
-    """Log-softmax at each step of `tokens` after `prompt`, by one float64 forward pass."""
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = hf_model.double()(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
-    hf_model.float()
-    return list(logits.log_softmax(-1))
-
-
-def assert_parity(llm, hf_model, base_atol: float = LOGPROB_ATOL) -> None:
-    """Every prompt at every batch size: identical greedy tokens, top-5 logprobs within tolerance.
-
-    Logprobs are compared with the float64 reference. The tolerance is LOGPROB_ATOL plus twice
-    the float32 error of transformers itself on that model (measured here against float64): two
-    float32 implementations of a random model with peaked logits can each be off by that much,
-    whatever their order of operations, while a real defect is orders of magnitude larger."""
-    reference = [hf_greedy(hf_model, p, STEPS) for p in PROMPTS]
-    exact = [reference_logprobs(hf_model, p, ref[0]) for p, ref in zip(PROMPTS, reference)]
-    fp32_error = max(float((a.double() - b).abs().max()) for (_, lps), ex in zip(reference, exact)
-                     for a, b in zip(lps, ex))
-    atol = base_atol + 2 * fp32_error
+def assert_parity(llm, hf_model) -> None:
+    """Every prompt at every batch size: identical greedy tokens, top-5 logprobs within the parity rule."""
+    refs = reference(hf_model, PROMPTS, STEPS)
     for batch in BATCHES:
-        results = run_vllm(llm, [PROMPTS[i] for i in batch])
-        for i, (tokens, logprobs) in zip(batch, results):
-            ref_tokens, _ = reference[i]
-            assert tokens == ref_tokens, f"prompt {i} in batch {batch}: vLLM {tokens} != HF {ref_tokens}"
-            for step, (top, ref) in enumerate(zip(logprobs, exact[i])):
-                assert len(top) >= 5
-                got = torch.tensor([lp.logprob for lp in top.values()], dtype=torch.float64)
-                want = ref[list(top.keys())]
-                assert torch.allclose(got, want, atol=atol), (
-                    f"prompt {i} step {step} batch {batch}: logprobs {got} != HF float64 {want} (atol {atol:.1e})")
-                fifth = ref.topk(5).values[-1]
-                assert (want >= fifth - atol).sum() >= 5, "vLLM's top-5 are not HF's top-5"
-
-
-class Engines:
-    """One live in-process engine at a time, reused by consecutive tests of the same variant."""
-
-    def __init__(self, checkpoints):
-        self.checkpoints, self.key, self.llm = checkpoints, None, None
-
-    def get(self, variant: str, eager: bool = True):
-        if self.key != (variant, eager):
-            self.close()
-            path = self.path(variant)
-            self.llm, self.key = make_llm(path, enforce_eager=eager), (variant, eager)
-        return self.llm
-
-    def path(self, variant: str):
-        return self.checkpoints(variant, seed=len(variant), **VARIANTS[variant])
-
-    def close(self) -> None:
-        if self.llm is not None:
-            free_llm(self.llm)
-            self.llm, self.key = None, None
+        got = generate(llm, [PROMPTS[i] for i in batch], STEPS, logprobs=5)
+        assert_matches(f"batch {batch}", got, [refs[i] for i in batch])
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoints):
-    pool = Engines(checkpoints)
+def checkpoint(checkpoints):
+    """`checkpoint(variant)`: the variant's tiny random checkpoint."""
+    return lambda variant: checkpoints(variant, seed=len(variant), **VARIANTS[variant])
+
+
+@pytest.fixture(scope="module")
+def engines():
+    pool = EnginePool()
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def engine(engines, checkpoint):
+    """`engine(variant, eager=True)`: the pool's live engine for that variant."""
+    return lambda variant, eager=True: engines.get((variant, eager),
+                                                   lambda: make_llm(checkpoint(variant), enforce_eager=eager))
 
 
 # Block size 2 (MHA, q/k norm) is served from a checkpoint with the seed names, in
@@ -108,15 +59,15 @@ EAGER_VARIANTS = [v for v in VARIANTS if v != "block2-mha-qknorm"]
 
 
 @pytest.mark.parametrize("variant", EAGER_VARIANTS)
-def test_greedy_and_logprobs_match_transformers_eager(variant, engines):
-    assert_parity(engines.get(variant), load_hf(engines.path(variant)))
+def test_greedy_and_logprobs_match_transformers_eager(variant, engine, checkpoint):
+    assert_parity(engine(variant), load_hf(checkpoint(variant)))
 
 
-def test_greedy_and_logprobs_match_transformers_compiled(engines):
+def test_greedy_and_logprobs_match_transformers_compiled(engine, checkpoint):
     """vLLM's default compilation (Dynamo + Inductor); the partial-block variant has the most structure."""
-    llm = engines.get("block3-partial-bias", eager=False)
+    llm = engine("block3-partial-bias", eager=False)
     assert llm.llm_engine.vllm_config.compilation_config.mode != 0, "compilation is off: nothing tested"
-    assert_parity(llm, load_hf(engines.path("block3-partial-bias")))
+    assert_parity(llm, load_hf(checkpoint("block3-partial-bias")))
 
 
 def edited_copy(src, dst, edit):
@@ -131,11 +82,11 @@ def edited_copy(src, dst, edit):
     return dst
 
 
-def test_seed_names_load_as_aliases(engines, tmp_path):
+def test_seed_names_load_as_aliases(engines, checkpoint, tmp_path):
     """A checkpoint that names the attention site `attn_res_proj` / `attn_res_norm` (the seed
     pseudo-code's names) serves exactly like the original (this is also the block-size-2 parity test)."""
     variant = "block2-mha-qknorm"
-    original = engines.path(variant)
+    original = checkpoint(variant)
     renamed = edited_copy(original, tmp_path / "seed-names",
                           lambda w: {k.replace(".self_attention_res_", ".attn_res_"): v for k, v in w.items()})
     engines.close()
@@ -146,7 +97,7 @@ def test_seed_names_load_as_aliases(engines, tmp_path):
         free_llm(llm)
 
 
-def test_load_weights_lists_missing_and_unexpected_keys(engines, tmp_path):
+def test_load_weights_lists_missing_and_unexpected_keys(engines, checkpoint, tmp_path):
     """Runs last in this module: a failed engine start may leave in-process state behind."""
     def broken(weights):
         weights = dict(weights)
@@ -154,7 +105,7 @@ def test_load_weights_lists_missing_and_unexpected_keys(engines, tmp_path):
         weights["model.layers.0.surprise.weight"] = torch.zeros(3)
         return weights
 
-    path = edited_copy(engines.path("full-gqa"), tmp_path / "broken", broken)
+    path = edited_copy(checkpoint("full-gqa"), tmp_path / "broken", broken)
     engines.close()
     with pytest.raises(ValueError, match="does not match AttnResForCausalLM") as info:
         free_llm(make_llm(path, enforce_eager=True))

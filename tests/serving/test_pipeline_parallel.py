@@ -1,54 +1,35 @@
 """Pipeline parallelism 2 on CPU (two ranks, one core each): greedy tokens equal transformers' and
-one rank's, top-5 logprobs within test_parity's float32 tolerance, for Block AttnRes with the stage
+one rank's, top-5 logprobs within the parity rule (`tests.support.parity`), for Block AttnRes with the stage
 boundary on and off a block boundary (`VLLM_PP_LAYER_PARTITION`), Full AttnRes with tied embeddings
 behind a compiled `attnres-serve` OpenAI server, and vLLM's own Llama as the control. The engines run
-once per session in one subprocess (`multirank.py`); the references are computed here."""
+once per session in one subprocess (`tests.support.multirank`); the references are computed here."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.serving import multirank
-from tests.serving.test_parity import LOGPROB_ATOL
-
-TIMEOUT = multirank.SCRIPT_TIMEOUT + 300    # the first test also waits for every multi-rank engine
+from tests.support.multirank import TEST_TIMEOUT, outputs, reference
+from tests.support.parity import LOGPROB_ATOL, assert_matches
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    return multirank.results(tmp_path_factory)
-
-
-def outputs(engines, name: str) -> list:
-    """What engine `name` generated, or a failure that says whether vLLM's own Llama failed too."""
-    results, _ = engines
-    result = results.get(name, {"error": "did not run (the script stopped before it)"})
-    if "outputs" not in result:
-        control = results.get("llama-pp2", {})
-        verdict = ("vLLM's own Llama at PP=2 failed too: an engine problem, not the plugin's"
-                   if "outputs" not in control else "vLLM's own Llama at PP=2 works: the plugin's failure")
-        pytest.fail(f"{name}: {result['error']}\n{verdict}\n--- engine log ---\n{results['_log']}")
-    return result["outputs"]
-
-
-@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("name", ["block-pp2-on", "block-pp2-off", "full-pp2-server"])
-def test_pipeline_parallel_2_matches_transformers(engines, name):
+def test_pipeline_parallel_2_matches_transformers(multirank, name):
     """The control first: vLLM's own Llama at PP=2 equals transformers' Llama."""
-    _, paths = engines
-    multirank.assert_matches("llama-pp2", outputs(engines, "llama-pp2"),
-                             multirank.reference(paths["llama"], llama=True), LOGPROB_ATOL)
+    results, paths = multirank
+    assert_matches("llama-pp2", outputs(results, "llama-pp2"), reference(paths["llama"], llama=True))
     checkpoint = "full" if name.startswith("full") else "block"
-    multirank.assert_matches(name, outputs(engines, name), multirank.reference(paths[checkpoint]), LOGPROB_ATOL)
+    assert_matches(name, outputs(results, name), reference(paths[checkpoint]))
 
 
-@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("name", ["block-pp2-on", "block-pp2-off"])
-def test_pipeline_parallel_2_equals_one_rank(engines, name):
+def test_pipeline_parallel_2_equals_one_rank(multirank, name):
     """The same engine code on one rank: same tokens, logprobs equal to float32 rounding."""
-    one_rank = outputs(engines, "block-1rank")
-    for i, ((tokens, top), (want_tokens, want_top)) in enumerate(zip(outputs(engines, name), one_rank)):
+    results, _ = multirank
+    one_rank = outputs(results, "block-1rank")
+    for i, ((tokens, top), (want_tokens, want_top)) in enumerate(zip(outputs(results, name), one_rank)):
         assert tokens == want_tokens, f"{name}, prompt {i}: {tokens} != one rank's {want_tokens}"
         for step, (lps, want) in enumerate(zip(top, want_top)):
             for token in lps.keys() & want.keys():

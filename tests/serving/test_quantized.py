@@ -16,7 +16,8 @@ from attnres.conversion.errors import ConversionError
 from attnres.conversion.quantize import main as quantize_main
 from attnres.conversion.quantize import quantize_checkpoint
 from attnres.models import shipped_model_path
-from tests.serving.engine import free_llm, load_hf, make_llm
+from tests.support.engines import chosen_logprobs, free_llm, generate, make_llm
+from tests.support.reference import load_hf, teacher_forced
 
 # The repository's trained model: int8 error on random weights says little about real checkpoints
 # (a random model amplifies it through every layer), a trained model is what people quantize.
@@ -24,7 +25,7 @@ SHIPPED = shipped_model_path()
 STEPS = 16
 TEXTS = ["def fibonacci(n):", "import os\n", "class Config:\n    def __init__(self"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Bounds (measured numbers in the README's serving section): vLLM vs the simulated int8 model differ
+# Bounds (measured numbers in docs/conversion.md, quantization): vLLM vs the simulated int8 model differ
 # only by float summation order and an occasional activation rounding tie; vs the unquantized model,
 # int8 round-to-nearest moves the trained model's logprobs by a few hundredths, while a wrong scale or
 # a transposed weight moves them by whole units and changes most greedy tokens.
@@ -113,33 +114,13 @@ def simulated_w8a8(source, quantized) -> torch.nn.Module:
     return model
 
 
-def vllm_greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and the logprob of each chosen token, per prompt."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                              o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The model's log-softmax `[len(tokens), vocab]` at each of `tokens` after `prompt` (one forward pass).
-
-    Greedy decoding reproduces `tokens` exactly when every row's argmax is the next token."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].float()
-    return logits.log_softmax(-1)
-
-
 @pytest.mark.timeout(400)
 def test_vllm_serves_w8a8_on_cpu(source, quantized, prompts):
     llm = make_llm(quantized, enforce_eager=True)
     try:
         scheme = type(llm.llm_engine.vllm_config.quant_config).__name__
-        results = vllm_greedy(llm, prompts)
+        results = [(tokens, chosen_logprobs(tokens, steps))
+                   for tokens, steps in generate(llm, prompts, STEPS, logprobs=1)]
     finally:
         free_llm(llm)
     assert scheme == "CompressedTensorsConfig"

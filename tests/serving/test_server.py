@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME
-from attnres.serving.launcher import ServerProcess, group_members
+from attnres.serving.launcher import group_members
 from attnres.serving.random_model import ensure_random_model
-from tests.serving.engine import hf_greedy, load_hf
+from tests.support.reference import hf_greedy, load_hf
 
 MAX_MODEL_LEN = 128
 MAX_TOKENS = 8
@@ -27,33 +27,11 @@ PROMPTS = ["Hello", "The quick brown fox", "a", "AttnRes mixes depth.", "1 2 3 4
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("attnres-cache")
-
-
-@pytest.fixture(scope="module")
-def server(cache_dir):
-    """The running server (started once for the module). The last test stops it with SIGTERM and checks
-    that this sufficed; the teardown only cleans up (SIGKILL included) after a failure."""
-    env = {"ATTNRES_CACHE_DIR": str(cache_dir), "VLLM_ENABLE_V1_MULTIPROCESSING": None}
-    proc = ServerProcess(SERVER_ARGS, env=env, startup_timeout=420)
-    proc.start()
-    print(f"attnres-serve healthy after {proc.startup_seconds:.1f} s")
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def hf(cache_dir):
+def hf(server_cache):
     """The served checkpoint's transformers model (float32) and tokenizer."""
     from transformers import AutoTokenizer
 
-    path = ensure_random_model(cache_dir)
+    path = ensure_random_model(server_cache)
     return load_hf(path), AutoTokenizer.from_pretrained(path)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from attnres.models import shipped_model_path
 from attnres.serving import cli
-from attnres.serving.launcher import ServerProcess, group_members, serve_command
+from attnres.serving.launcher import group_members, serve_command
 
 MODEL = shipped_model_path()
 SERVED = "attnres-tiny"
@@ -45,23 +45,6 @@ SOAK_CLIENTS, SOAK_ROUNDS, SOAK_TOKENS = 64, 3, 16
 SOAK_RSS_LIMIT = 256 << 20          # generous: allocator noise of a ~2 GiB process group is a few MiB
 # The first test that uses the server also pays for its start (a cold compile: minutes on a loaded machine).
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def server():
-    """The compiled server; the last test stops it with SIGTERM (teardown only cleans up after a failure)."""
-    # As shipped: the engine core in its own process (the package's in-process engine setting is for
-    # offline engines in the pytest process).
-    proc = ServerProcess(SERVER_ARGS, env={"VLLM_ENABLE_V1_MULTIPROCESSING": None}, startup_timeout=600)
-    proc.start()
-    print(f"attnres-serve (compiled {MODEL.name}) healthy after {proc.startup_seconds:.1f} s")
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def post(server, path: str, body) -> tuple[int, dict]:

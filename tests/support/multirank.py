@@ -5,8 +5,8 @@ needs an `if __name__ == "__main__":` guard and cannot live in the pytest proces
 start costs tens of seconds on 2 cores (the workers import vLLM). `results()` therefore writes the
 checkpoints, runs this file once as a script (its own session, output to a file, killed at the end,
 with a timeout) and returns what every engine generated, memoised for the whole pytest session;
-`test_pipeline_parallel.py` and `test_tensor_parallel.py` compare that with transformers, computed
-in the test process (`reference`).
+`tests/serving/test_pipeline_parallel.py` and `test_tensor_parallel.py` compare that with transformers,
+computed in the test process (`reference`, by the rule of `parity.assert_matches`).
 
 Engines (two CPU ranks, one core each: `VLLM_CPU_OMP_THREADS_BIND="0|1"`, the `mp` executor), in
 this order so that the control comes first:
@@ -30,10 +30,14 @@ from pathlib import Path
 
 import torch
 
+from tests.support.parity import PROMPTS, Reference
+from tests.support.parity import reference as parity_reference
+from tests.support.processes import stop_group
+from tests.support.reference import load_hf
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
-PROMPT_INDICES = (0, 2, 4)  # of test_parity.PROMPTS: lengths 1, 7 and 19
-ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, seed=0)
+PROMPT_INDICES = (0, 2, 4)  # of parity.PROMPTS: lengths 1, 7 and 19
 PP_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
 CHECKPOINTS = {
     "block": dict(seed=21, num_hidden_layers=5, attn_res_block_size=2),
@@ -48,11 +52,10 @@ ENGINES = {   # name -> (checkpoint, engine kwargs, VLLM_PP_LAYER_PARTITION or N
 SERVER = ("full-pp2-server", "full")
 ONE_RANK = ("block-1rank", "block")
 SCRIPT_TIMEOUT = 1500
+TEST_TIMEOUT = SCRIPT_TIMEOUT + 300    # the first test also waits for every multi-rank engine
 
 
 def prompts() -> list[list[int]]:
-    from tests.serving.test_parity import PROMPTS
-
     return [PROMPTS[i] for i in PROMPT_INDICES]
 
 
@@ -104,86 +107,43 @@ def run_script(workdir: Path, paths: dict[str, Path]) -> dict:
     return results
 
 
-def stop_group(pgid: int) -> None:
-    """SIGTERM a process group, then SIGKILL what is left."""
-    for sig, pause in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + pause
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.2)
-
-
-_SESSION: dict = {}
-
-
-def results(tmp_path_factory) -> tuple[dict, dict[str, Path]]:
-    """`(engine results, checkpoint paths)`, computed once per pytest session."""
-    if not _SESSION:
-        root = tmp_path_factory.mktemp("multirank")
-        paths = write_checkpoints(root)
-        _SESSION["value"] = (run_script(root, paths), paths)
-    return _SESSION["value"]
+def results(root: Path) -> tuple[dict, dict[str, Path]]:
+    """`(engine results, checkpoint paths)`: the checkpoints written under `root`, every engine run once
+    (the `multirank` fixture of tests/serving/conftest.py calls this once per session)."""
+    paths = write_checkpoints(root)
+    return run_script(root, paths), paths
 
 
 @functools.cache
-def reference(path: Path, llama: bool = False) -> list[tuple[list[int], list[torch.Tensor], float]]:
-    """transformers' greedy tokens, float64 log-softmax and own float32 error per prompt (as test_parity)."""
-    from tests.serving.engine import hf_greedy, load_hf
-    from tests.serving.test_parity import reference_logprobs
+def reference(path: Path, llama: bool = False) -> list[Reference]:
+    """transformers' reference of every prompt (`parity.reference`) for the checkpoint at `path`."""
+    from transformers import LlamaForCausalLM
 
-    if llama:
-        from transformers import LlamaForCausalLM
-
-        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    else:
-        model = load_hf(path)
-    out = []
-    for prompt in prompts():
-        tokens, fp32 = hf_greedy(model, prompt, STEPS)
-        exact = reference_logprobs(model, prompt, tokens)
-        error = max(float((a.double() - b).abs().max()) for a, b in zip(fp32, exact))
-        out.append((tokens, exact, error))
-    return out
+    return parity_reference(load_hf(path, LlamaForCausalLM if llama else None), prompts(), STEPS)
 
 
-def assert_matches(name: str, got: list, ref: list, base_atol: float) -> None:
-    """Greedy tokens equal transformers'; every returned logprob within `base_atol` plus twice
-    transformers' own float32 error of the float64 reference (the rule of test_parity.assert_parity)."""
-    assert len(got) == len(ref), f"{name}: {len(got)} outputs for {len(ref)} prompts"
-    for i, ((tokens, top), (ref_tokens, exact, error)) in enumerate(zip(got, ref)):
-        assert tokens == ref_tokens, f"{name}, prompt {i}: vLLM {tokens} != transformers {ref_tokens}"
-        atol = base_atol + 2 * error
-        for step, (lps, want) in enumerate(zip(top, exact)):
-            assert len(lps) >= 5, f"{name}, prompt {i} step {step}: {len(lps)} logprobs"
-            for token, logprob in lps.items():
-                assert abs(logprob - float(want[int(token)])) <= atol, (
-                    f"{name}, prompt {i} step {step}, token {token}: {logprob} != {float(want[int(token)])} "
-                    f"(atol {atol:.1e})")
+def outputs(results: dict, name: str) -> list:
+    """What engine `name` generated, or a test failure that says whether vLLM's own Llama failed too."""
+    import pytest
+
+    result = results.get(name, {"error": "did not run (the script stopped before it)"})
+    if "outputs" not in result:
+        control = results.get("llama-pp2", {})
+        verdict = ("vLLM's own Llama at PP=2 failed too: an engine problem, not the plugin's"
+                   if "outputs" not in control else "vLLM's own Llama at PP=2 works: the plugin's failure")
+        pytest.fail(f"{name}: {result['error']}\n{verdict}\n--- engine log ---\n{results['_log']}")
+    return result["outputs"]
 
 
 # --- in the subprocess -------------------------------------------------------------------------------
 
 def generate_offline(path: str, kwargs: dict) -> list:
     """Start an engine, generate greedily for `prompts()` with top-5 logprobs, shut it down."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from tests.serving.engine import free_llm, make_llm
+    from tests.support.engines import free_llm, generate, make_llm
 
     llm = make_llm(Path(path), enforce_eager=True, **kwargs)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids),
-                 [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-                for o in outs]
+        return generate(llm, prompts(), STEPS, logprobs=5)
     finally:
         free_llm(llm)
 

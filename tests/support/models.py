@@ -1,9 +1,4 @@
-"""Shared builders for tests: tiny configs and models made in code (nothing is downloaded)."""
-
-import os
-import signal
-import subprocess
-import tempfile
+"""Tiny AttnRes configs and models made in code for the tests (nothing is downloaded)."""
 
 import torch
 
@@ -60,24 +55,3 @@ def oracle_state_dict(model: torch.nn.Module, dtype=torch.float64) -> dict[str, 
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
-
-
-
-def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """`subprocess.run` for children that may spawn their own (vLLM engines, torchrun workers): its own
-    session, stdout and stderr through temporary files rather than pipes that a grandchild could keep
-    open, and the whole process group killed however the wait ends (timeout, pytest-timeout, Ctrl-C)."""
-    with tempfile.TemporaryFile(mode="w+") as out, tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True,
-                                start_new_session=True, **kwargs)
-        try:
-            proc.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
