@@ -21,6 +21,7 @@ STATE_DICT_SUFFIXES = (".pt", ".bin", ".pth")
 # Files the converter writes itself, or that describe the source weights, are not carried over.
 NOT_CARRIED = re.compile(r"(.*\.(safetensors|bin|pt|pth|py|msgpack|h5|ckpt)|.*\.index\.json|config\.json|README\.md)\Z")
 REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?\Z")
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 class SafetensorsSource:
@@ -65,6 +66,13 @@ class SafetensorsSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[key]].get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._handles[self._where[key]].get_slice(key).get_dtype()
+        if name not in SAFETENSORS_DTYPES:
+            raise ConversionError(f"Tensor {key} in {self._where[key]} has dtype {name}; expected one of "
+                                  f"{', '.join(SAFETENSORS_DTYPES)} (an unquantized checkpoint).")
+        return SAFETENSORS_DTYPES[name]
+
 
 class StateDictSource:
     """A state dict already in memory (from a `.pt`/`.bin` file)."""
@@ -80,6 +88,30 @@ class StateDictSource:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._sd[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._sd[key].dtype
+
+
+class LoadedSource:
+    """A checkpoint read once: its key names, shapes and dtypes from its files (so the key map judges
+    the checkpoint itself), its tensors from the model transformers loaded from it."""
+
+    def __init__(self, checkpoint: "SafetensorsSource | StateDictSource", model: torch.nn.Module):
+        self._checkpoint, self._tensors = checkpoint, model.state_dict()
+
+    def keys(self) -> Iterable[str]:
+        return self._checkpoint.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        tensor = self._tensors.get(key)
+        return tensor if tensor is not None else self._checkpoint.get(key)   # a name the loader renamed
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._checkpoint.shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._checkpoint.dtype(key)
 
 
 def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:

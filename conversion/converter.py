@@ -19,6 +19,7 @@ from modeling_attnres import AttnResConfig, AttnResForCausalLM
 from .card import write_model_card
 from .checkpoint_io import (
     STATE_DICT_SUFFIXES,
+    LoadedSource,
     StateDictSource,
     check_destination,
     copy_side_files,
@@ -39,7 +40,7 @@ from .standard import (
     standard_rules,
     stream_scale_candidates,
 )
-from .verify import calibrate_stream_scale, verify_attnres_layout, verify_standard
+from .verify import calibrate_stream_scale, load_source, prompt_ids, verify_attnres_layout, verify_standard
 
 
 class VerificationFailed(ConversionError):
@@ -63,10 +64,10 @@ def _read_json(path: Path) -> dict:
 
 
 def output_dtype(source: TensorSource, name: str) -> torch.dtype:
-    """The dtype named by --dtype; "auto" is the source embedding's (the one tensor every layout has)."""
+    """The dtype named by --dtype; "auto" is the source embedding's as stored (the one tensor every layout has)."""
     if name == "auto":
         keys = list(source.keys())
-        return source.get(next((k for k in keys if "embed_tokens" in k), keys[0])).dtype
+        return source.dtype(next((k for k in keys if "embed_tokens" in k), keys[0]))
     if name not in DTYPES:
         raise UsageError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
     return DTYPES[name]
@@ -103,7 +104,10 @@ def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
     return _plan_attnres_layout(StateDictSource(state_dict), config, options, None)
 
 
-def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
+def _plan_standard(folder: Path, options: ConvertOptions, model: torch.nn.Module | None = None) -> Plan:
+    """Plan a standard source. Its tensors are read once: into `model` (transformers' own class, float32),
+    which calibrates, is written from and verifies; `model` is given when the caller loaded it already
+    (a dequantised GGUF), and `folder` then holds only its config and tokenizer."""
     _reject_options(options, ("seed_block_size", "config_path"),
                     f"{folder} is a transformers checkpoint with its own config.json, not a seed-layout state dict.")
     try:
@@ -115,16 +119,20 @@ def _plan_standard(folder: Path, options: ConvertOptions) -> Plan:
     layout = architecture_of(src_config)
     config = attnres_config_from_standard(src_config, block_size=options.block_size, mode=options.mode,
                                           clip_to_window=options.clip_to_window)
-    source = open_checkpoint(folder)
-    rules, fills = standard_rules(config, source), standard_fills(src_config)
-    resolve_key_map(source, rules, fills, target_shapes(meta_model(config)))   # before loading the source
-    dtype = output_dtype(source, options.dtype)
-    scale, errors = choose_stream_scale(folder, config, dtype, options.stream_scale)
+    checkpoint = open_checkpoint(folder) if model is None else StateDictSource(model.state_dict())
+    rules, fills = standard_rules(config, checkpoint), standard_fills(src_config)
+    resolve_key_map(checkpoint, rules, fills, target_shapes(meta_model(config)))   # names and shapes, before loading
+    dtype = output_dtype(checkpoint, options.dtype)
+    if model is None:
+        model = load_source(folder)
+    source = LoadedSource(checkpoint, model)
+    ids = prompt_ids(folder, config.vocab_size)
+    scale, errors = choose_stream_scale(model, ids, config, dtype, options.stream_scale)
     ctx = TransformContext(stream_scale=scale, tied=config.tie_word_embeddings)
-    return Plan(layout, source, rules, fills, config, ctx, folder, dtype, errors)
+    return Plan(layout, source, rules, fills, config, ctx, folder, dtype, errors, model=model, ids=ids)
 
 
-def choose_stream_scale(folder: Path, config: AttnResConfig, dtype: torch.dtype,
+def choose_stream_scale(model: torch.nn.Module, ids: list[torch.Tensor], config: AttnResConfig, dtype: torch.dtype,
                         requested: float | None) -> tuple[float, dict[float, float]]:
     """The residual-stream scale s, and the predicted error of each candidate when calibrated.
 
@@ -141,7 +149,7 @@ def choose_stream_scale(folder: Path, config: AttnResConfig, dtype: torch.dtype,
         return float(requested), {}
     if config.rms_norm_eps == 0 or dtype == torch.float16:
         return 1.0, {}
-    errors = calibrate_stream_scale(folder, config, stream_scale_candidates(config))
+    errors = calibrate_stream_scale(model, ids, config, stream_scale_candidates(config))
     return min(errors, key=lambda s: (errors[s], s)), errors
 
 
@@ -194,8 +202,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = N
         return _convert_planned(str(src), plan_conversion(src_path, options), dst, options)
     _reject_options(options, ("seed_block_size", "config_path"), f"{gguf_file.name} is a GGUF file with its own "
                     "config in its metadata, not a seed-layout state dict.")
-    with dequantised_folder(gguf_file, dst) as (folder, origin):
-        return _convert_planned(str(src), _plan_standard(folder, options), dst, options, origin)
+    with dequantised_folder(gguf_file, dst) as (folder, origin, model):
+        return _convert_planned(str(src), _plan_standard(folder, options, model), dst, options, origin)
 
 
 def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
@@ -210,8 +218,8 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
             result.copied_files = copy_side_files(plan.folder, tmp)
         if options.verify:
             result.verification = (
-                verify_standard(plan.folder, tmp, plan.config, plan.ctx.stream_scale, plan.dtype,
-                                reference="the dequantised GGUF" if origin else None)
+                verify_standard(plan.model, plan.ids, tmp, plan.config, plan.ctx.stream_scale, plan.dtype,
+                                reference="the dequantised GGUF" if origin else f"the source model ({src})")
                 if plan.layout != "attnres" else verify_attnres_layout(plan, tmp))
             if not result.verification.passed and not options.keep_failed:
                 raise VerificationFailed(dst, result.verification)

@@ -54,6 +54,8 @@ class Plan:
     folder: Path | None              # where side files (tokenizer, ...) and the source model live
     dtype: torch.dtype               # of the output
     scale_errors: dict[float, float] = field(default_factory=dict)   # calibration: s -> predicted error
+    model: torch.nn.Module | None = None         # a standard source as loaded once (float32), for verification
+    ids: list[torch.Tensor] = field(default_factory=list)           # the verification prompts' token ids
 
 
 @dataclass

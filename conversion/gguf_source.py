@@ -2,16 +2,12 @@
 
 A GGUF holds the weights (often quantized), the config as metadata and the tokenizer (vocabulary,
 merges, special tokens, chat template). transformers reads all of it (`from_pretrained(folder,
-gguf_file=...)`, which needs the `gguf` package); this module dequantises the file into an ordinary
-float32 transformers folder, which the standard conversion then takes as its source, so the
-verification compares the converted model with the dequantised source. The quantisation error
-itself is the GGUF's, not the conversion's, and is not part of either number.
-
-transformers marks a model loaded from a GGUF as quantized, and such a model refuses
-`save_pretrained`; so the dense model is rebuilt from its config (without `quantization_config`)
-and its state dict loaded into it. The dequantised copy is written next to DST (it needs the disk
-space of the model in float32) and removed when the conversion ends, or by the next conversion to
-the same DST if this one is killed (`publish.scratch_folder`).
+gguf_file=...)`, which needs the `gguf` package) into its own model class (Llama), dequantised to
+float32; that model is the standard conversion's source (read once), so the verification compares
+the converted model with the dequantised source. The quantisation error itself is the GGUF's, not
+the conversion's, and is not part of either number. Its config and tokenizer go to a folder next to
+DST, removed when the conversion ends, or by the next writer in that folder if this one is killed
+(`publish.scratch_folder`).
 """
 
 from collections import Counter
@@ -109,29 +105,23 @@ def load_dequantised(path: Path):
     except (ValueError, KeyError, OSError, RuntimeError) as err:
         raise ConversionError(f"transformers cannot load {path} as a GGUF model: {err}. Check that the file is "
                               "complete (download it again) and that its architecture is a plain Llama.") from err
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with torch.device("meta"):
-        dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    dense.load_state_dict(loaded.state_dict(), strict=True, assign=True)
-    if config.tie_word_embeddings:
-        dense.tie_weights()
-    dense.config.architectures = [type(dense).__name__]
-    dense.generation_config = loaded.generation_config
-    return dense.eval(), tokenizer
+    if hasattr(loaded.config, "quantization_config"):       # its tensors are dense float32 already
+        del loaded.config.quantization_config
+    loaded.config.architectures = [type(loaded).__name__]
+    return loaded.eval(), tokenizer
 
 
 @contextmanager
-def dequantised_folder(path: Path, dst: Path) -> Iterator[tuple[Path, str]]:
-    """Write the GGUF as a transformers folder in a hidden sibling of DST; removed on exit.
+def dequantised_folder(path: Path, dst: Path) -> Iterator[tuple[Path, str, torch.nn.Module]]:
+    """The GGUF read once, as a dense float32 transformers model, and a hidden sibling of DST holding its
+    config, generation config and tokenizer (the side files of the conversion); removed on exit.
 
-    Yields the folder and a description of the file's tensor types (for the summary and card).
+    Yields the folder, a description of the file's tensor types (for the summary and card) and the model.
     """
     types = inspect_gguf(path)
     with scratch_folder(dst) as folder:
         model, tokenizer = load_dequantised(path)
-        model.save_pretrained(folder)
+        model.config.save_pretrained(folder)
+        model.generation_config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        del model
-        yield folder, describe(types)
+        yield folder, describe(types), model

@@ -64,6 +64,8 @@ class TensorSource(Protocol):
 
     def shape(self, key: str) -> tuple[int, ...]: ...   # without reading the data
 
+    def dtype(self, key: str) -> torch.dtype: ...       # the stored dtype, without reading the data
+
 
 def _copy(t: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
     return t

@@ -93,6 +93,9 @@ class NormalizedSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._source.shape(self._original[key][0])
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self._source.dtype(self._original[key][0])
+
 
 def block_size_from_sublayers(sublayers: int) -> dict:
     """AttnResConfig fields for a seed block size counted in sublayers."""

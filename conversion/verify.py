@@ -63,14 +63,20 @@ def apply_predicted_eps(model: torch.nn.Module, config: AttnResConfig, stream_sc
     """Set every stream-reading RMSNorm of a standard model to the eps the converted site effectively
     uses: `RMSNorm(s*H/c; eps) == RMSNorm(H; (c/s)^2 * eps)` (docs/spec.md, "Converting...").
     The norms read the stream in site order (each layer's attention, its MLP, then the output)."""
-    inner = model.model
-    norms = [n for l in inner.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [inner.norm]
-    for count, norm in zip(sources_per_site(config), norms, strict=True):
+    for count, norm in zip(sources_per_site(config), stream_norms(model), strict=True):
         norm.variance_epsilon = config.rms_norm_eps * (count / stream_scale) ** 2
 
 
-def _load(path: Path, **kwargs):
+def stream_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The RMSNorms of a standard model that read the residual stream, in site order."""
+    inner = model.model
+    return [n for l in inner.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [inner.norm]
+
+
+def load_source(path: Path, **kwargs) -> torch.nn.Module:
+    """A checkpoint's transformers model in float32, eval mode (the source, or a converted output)."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
 
 
 @torch.no_grad()
@@ -84,45 +90,49 @@ def _at_precision(what: str, dtype: torch.dtype) -> str:
     return what if dtype == torch.float32 else f"{what} with weights rounded to {str(dtype).removeprefix('torch.')}"
 
 
-def verify_standard(src: Path, converted: Path, config: AttnResConfig, stream_scale: float,
-                    dtype: torch.dtype = torch.float32, reference: str | None = None) -> VerifyReport:
-    """Run the source and the converted checkpoint (output dtype `dtype`) on the prompts and compare.
+def verify_standard(source: torch.nn.Module, ids: list[torch.Tensor], converted: Path, config: AttnResConfig,
+                    stream_scale: float, dtype: torch.dtype = torch.float32, reference: str = "the source model",
+                    ) -> VerifyReport:
+    """Run the source model (float32, as loaded for the conversion; its weights are rounded here, so
+    this is its last use) and the converted checkpoint (output dtype `dtype`) on `ids` and compare.
     The headline difference is to the source as given (it includes the rounding to `dtype`); the
     prediction and the greedy reference are made from the source weights rounded to `dtype`, so that
     they isolate the eps effect."""
     steps = tqdm(total=5, desc="Verifying", unit="step")
-    ids = prompt_ids(src, config.vocab_size)
-    source = _load(src)
     ref_logits = _logits(source, ids)
     round_weights(source, dtype)
     ref_tokens = _greedy(source, ids)
     steps.update(2)
     apply_predicted_eps(source, config, stream_scale)
     predicted = _logits(source, ids)
-    del source
     steps.update(1)
-    model = _load(converted)
+    model = load_source(converted)
     got_logits, got_tokens = _logits(model, ids), _greedy(model, ids)
     steps.update(2)
     steps.close()
     diff, rel, scale, agree = compare(ref_logits, got_logits)
     greedy = all(torch.equal(a, b) for a, b in zip(ref_tokens, got_tokens))
-    reference = reference or f"the source model ({src.name})"
     return VerifyReport(diff, rel, scale, agree, greedy, compare(predicted, got_logits)[0], reference,
                         _at_precision("the spec's eps prediction", dtype), "the deviation above is the eps effect only",
                         _at_precision("the source", dtype), len(ids), NEW_TOKENS)
 
 
-def calibrate_stream_scale(src: Path, config: AttnResConfig, candidates: list[float]) -> dict[float, float]:
+def calibrate_stream_scale(source: torch.nn.Module, ids: list[torch.Tensor], config: AttnResConfig,
+                           candidates: list[float]) -> dict[float, float]:
     """The relative logit error each candidate scale `s` would cost, from the source model alone: the
-    spec's prediction (each site's eps set to `(c/s)^2 * eps`) against the source, on the prompts."""
-    ids = prompt_ids(src, config.vocab_size)
-    source = _load(src)
+    spec's prediction (each site's eps set to `(c/s)^2 * eps`) against the source, on `ids`. The
+    source's own eps values are put back afterwards."""
     reference = _logits(source, ids)
+    norms = stream_norms(source)
+    original = [norm.variance_epsilon for norm in norms]
     errors = {}
-    for scale in tqdm(candidates, desc="Calibrating stream scale", unit="scale"):
-        apply_predicted_eps(source, config, scale)
-        errors[scale] = compare(reference, _logits(source, ids))[1]
+    try:
+        for scale in tqdm(candidates, desc="Calibrating stream scale", unit="scale"):
+            apply_predicted_eps(source, config, scale)
+            errors[scale] = compare(reference, _logits(source, ids))[1]
+    finally:
+        for norm, eps in zip(norms, original):
+            norm.variance_epsilon = eps
     return errors
 
 
@@ -137,7 +147,7 @@ def verify_attnres_layout(plan: Plan, converted: Path) -> VerifyReport:
     ref_logits = _logits(model, ids)
     round_weights(model, plan.dtype)
     predicted, ref_tokens = _logits(model, ids), _greedy(model, ids)
-    reloaded = _load(converted)
+    reloaded = load_source(converted)
     got_logits = _logits(reloaded, ids)
     diff, rel, scale, agree = compare(ref_logits, got_logits)
     greedy = all(torch.equal(a, b) for a, b in zip(ref_tokens, _greedy(reloaded, ids)))

@@ -81,6 +81,13 @@ class AttnResConfig(LlamaConfig):
     """
 
     model_type = "attnres"
+    # Llama's tensor-parallel plan holds (pseudo-queries and key norms read the full hidden state and are
+    # replicated); the pipeline plan is AttnRes's own: a layer passes the depth history, not a hidden state.
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["bank", "partial", "attention_mask"], ["bank", "partial"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     qk_norm: bool = False
     attn_res_mode: str = "block"
