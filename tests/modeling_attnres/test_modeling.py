@@ -2,6 +2,8 @@
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -342,3 +344,28 @@ def test_seed_names_load_and_resave_with_the_spec_names(tmp_path):
     loaded.save_pretrained(tmp_path / "resaved")
     with safe_open(tmp_path / "resaved" / "model.safetensors", "pt") as f:
         assert sorted(f.keys()) == sorted(sd)
+
+
+def test_a_config_claiming_more_rows_than_the_weights_is_refused_before_allocating(tmp_path):
+    """2**30 vocabulary rows in config.json over a 97-row checkpoint: refused from the safetensors
+    headers, in a child whose address space (4 GiB) the embedding alone (128 GiB) would exceed."""
+    tiny_model(seed=2).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vocab_size"] = 2 ** 30
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "import modeling_attnres\nfrom transformers import AutoModelForCausalLM\n"
+            "try:\n    AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "except ValueError as err:\n    print(err)\n    sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "model.embed_tokens.weight: checkpoint (97, 32), config implies (1073741824, 32)" in done.stdout
+
+
+def test_a_config_with_another_layer_count_is_refused_at_load(tmp_path):
+    tiny_model(seed=2).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_hidden_layers"] = 100000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="has 5 layers but its config.json says num_hidden_layers=100000"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -56,14 +56,17 @@ def server_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(request, server_cache):
     """One real `attnres-serve` process per test module, started with the module's `SERVER_ARGS` (and
-    `SERVER_ENV`) on a free loopback port, its engine core in its own process as users run it. A
-    module's last test may stop it with SIGTERM and check that this sufficed; the teardown only cleans
-    up (SIGKILL included) after a failure."""
+    `SERVER_ENV`, and `--api-key SERVER_API_KEY` when the module sets one) on a free loopback port, its
+    engine core in its own process as users run it. A module's last test may stop it with SIGTERM and
+    check that this sufficed; the teardown only cleans up (SIGKILL included) after a failure."""
     from attnres.serving.launcher import ServerProcess
 
     env = {"ATTNRES_CACHE_DIR": str(server_cache), "VLLM_ENABLE_V1_MULTIPROCESSING": None,
            **getattr(request.module, "SERVER_ENV", {})}
-    proc = ServerProcess(request.module.SERVER_ARGS, env=env, startup_timeout=600)
+    key = getattr(request.module, "SERVER_API_KEY", None)
+    proc = ServerProcess([*request.module.SERVER_ARGS, *(["--api-key", key] if key else [])], env=env,
+                         startup_timeout=600)
+    proc.api_key = key
     proc.start()
     print(f"attnres-serve ({request.module.__name__}) healthy after {proc.startup_seconds:.1f} s")
     yield proc

