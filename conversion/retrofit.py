@@ -24,11 +24,14 @@ accelerators; on CPUs it is refused rather than silently run as DDP.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import math
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -37,7 +40,7 @@ from transformers import TrainerCallback
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
 from .errors import ConversionError, UsageError, fail
-from .publish import staged_file, staged_folder, user_cache_dir
+from .publish import fsync_tree, staged_file, staged_folder, user_cache_dir
 
 TRAINABLE = {
     "depth": ("_res_proj.", "_res_norm."),  # pseudo-queries and key-norm gains (`is_depth_parameter`)
@@ -46,6 +49,7 @@ TRAINABLE = {
     "all": ("",),
 }
 DEFAULT_PATTERNS = ("*.txt", "*.md", "*.rst")
+COMPLETE_MARKER = "attnres-complete.json"       # in a Trainer checkpoint: its files' hashes, written last
 DEPTH_FORMAT = "attnres-depth-v1"
 # Config fields that must agree between the model a depth file was trained on and the one it is applied to.
 DEPTH_CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "attn_res_mode", "attn_res_block_size")
@@ -256,14 +260,62 @@ def check_distributed(world_size: int) -> None:
                             "--multi_gpu --num_processes N -m attnres.conversion.retrofit ...")
 
 
-def last_checkpoint(work_dir: Path) -> str:
-    """The newest Trainer checkpoint under `work_dir`, for --resume."""
-    from transformers.trainer_utils import get_last_checkpoint
+def checkpoint_files(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a Trainer checkpoint folder but its completion marker, by relative path."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
 
-    found = get_last_checkpoint(str(work_dir)) if work_dir.is_dir() else None
-    if found is None:
-        raise RetrofitError(f"--resume: no checkpoint-* folder in {work_dir}; run without --resume to start")
-    return found
+
+def is_complete(folder: Path) -> bool:
+    """Whether a checkpoint was finished: its marker lists exactly the files it holds, unchanged."""
+    try:
+        return json.loads((folder / COMPLETE_MARKER).read_text())["files"] == checkpoint_files(folder)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+class MarkComplete(TrainerCallback):
+    """After the Trainer saved a checkpoint (it writes in place), flush it to disk and publish a marker
+    with its files' hashes: a checkpoint counts for --resume only once its marker is there (`is_complete`),
+    so one cut short by a kill is never resumed from."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            fsync_tree(folder)
+            marker = json.dumps({"step": state.global_step, "files": checkpoint_files(folder)})
+            with staged_file(folder / COMPLETE_MARKER) as tmp:
+                tmp.write_text(marker)
+        return control
+
+
+def last_checkpoint(work_dir: Path, log=print) -> str:
+    """The newest complete Trainer checkpoint under `work_dir`, for --resume (incomplete ones, left by a
+    run that was killed while saving, are passed over, and said so)."""
+    found = sorted((int(p.name.split("-")[1]), p) for p in work_dir.glob("checkpoint-*")
+                   if p.is_dir() and p.name.split("-")[1].isdigit()) if work_dir.is_dir() else []
+    for _, folder in reversed(found):
+        if is_complete(folder):
+            return str(folder)
+        log(f"attnres-retrofit: {folder} is incomplete (its run was interrupted while saving); passing over it")
+    raise RetrofitError(f"--resume: no complete checkpoint-* folder in {work_dir}; run without --resume to start")
+
+
+@contextmanager
+def work_dir_lock(work_dir: Path) -> Iterator[None]:
+    """Hold `work_dir` for this run: a second run in the same folder would overwrite this one's
+    checkpoints, so it is refused (the lock dies with its holder)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(work_dir / ".attnres-retrofit.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RetrofitError(f"--work-dir {work_dir} is in use by another attnres-retrofit run; wait for it, or "
+                                "pass another --work-dir") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class StopAfter(TrainerCallback):
@@ -280,7 +332,8 @@ class StopAfter(TrainerCallback):
 
 def train(model, train_windows: torch.Tensor, args, world_size: int = 1):
     """Train `model`'s unfrozen parameters with the Trainer; returns (trainer, loss history)."""
-    from transformers import Trainer
+    from transformers import Trainer, TrainerState
+    from transformers.trainer import TRAINER_STATE_NAME
 
     resume = last_checkpoint(args.work_dir) if args.resume else None
     trainer = Trainer(model=model, args=training_arguments(args, world_size), train_dataset=Windows(train_windows))
@@ -289,7 +342,14 @@ def train(model, train_windows: torch.Tensor, args, world_size: int = 1):
                             "each would train alone. Launch with `accelerate launch --multi_gpu --num_processes N`")
     if args.stop_after is not None:
         trainer.add_callback(StopAfter(args.stop_after))
-    trainer.train(resume_from_checkpoint=resume)
+    trainer.add_callback(MarkComplete())
+    with work_dir_lock(args.work_dir) if trainer.is_world_process_zero() else nullcontext():
+        if resume is not None and int(Path(resume).name.split("-")[1]) >= args.steps:
+            # Finished already (killed while publishing): the Trainer, resumed at max_steps, would train on.
+            trainer._load_from_checkpoint(resume)
+            trainer.state = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME))
+        else:
+            trainer.train(resume_from_checkpoint=resume)
     history = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return trainer, history
 

@@ -6,6 +6,8 @@ types on construction and assignment, and runs every `validate_*` method on cons
 `from_pretrained` and on `save_pretrained`.
 """
 
+import math
+import re
 from typing import NamedTuple
 
 from huggingface_hub.dataclasses import strict
@@ -14,6 +16,27 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 from .depth_attention import BANK_DTYPES
 
 ATTN_RES_MODES = ("block", "full")
+
+# The parameter-naming contract (docs/spec.md), written once for the model, the vLLM loader and the
+# converters: a site's pseudo-query is `*_res_proj.weight`, its key-norm gain `*_res_norm.weight`.
+DEPTH_PARAMETER = re.compile(r"_res_(proj|norm)\.weight\Z")
+# The seed pseudo-code's names for the attention site, which loaders accept (saving writes ours).
+SEED_SITE_ALIASES = {"attn_res_proj": "self_attention_res_proj", "attn_res_norm": "self_attention_res_norm"}
+# What `save_pretrained` writes as `config.auto_map` (the flat files shipped next to the weights).
+AUTO_MAP = {
+    "AutoConfig": "configuration_attnres.AttnResConfig",
+    "AutoModel": "modeling_attnres.AttnResModel",
+    "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+}
+
+
+def is_depth_parameter(name: str) -> bool:
+    """Whether a checkpoint key or parameter name is a depth-attention parameter (query or key-norm gain)."""
+    return DEPTH_PARAMETER.search(name) is not None
+
+
+class ForeignCheckpointError(ValueError):
+    """A config.json that says `model_type: "attnres"` but was written by other AttnRes code."""
 
 
 class DepthSite(NamedTuple):
@@ -58,11 +81,41 @@ class AttnResConfig(LlamaConfig):
     """
 
     model_type = "attnres"
+    # Llama's tensor-parallel plan holds (pseudo-queries and key norms read the full hidden state and are
+    # replicated); the pipeline plan is AttnRes's own: a layer passes the depth history, not a hidden state.
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["bank", "partial", "attention_mask"], ["bank", "partial"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     qk_norm: bool = False
     attn_res_mode: str = "block"
     attn_res_block_size: int = 2
     attn_res_bank_dtype: str = "auto"
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """`PreTrainedConfig.from_dict`, refusing a config that another AttnRes implementation wrote under
+        the same `model_type` (its fields and parameter names are not this package's)."""
+        check_not_foreign(config_dict)
+        return super().from_dict(config_dict, **kwargs)
+
+    def validate_numbers(self):
+        """Every numeric field finite and of the right sign; runs on construction and load."""
+        for name in ("rms_norm_eps", "initializer_range", "attention_dropout"):
+            value = getattr(self, name, 0.0)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"AttnResConfig.{name} must be a finite number >= 0, got {value!r}; "
+                                 "set it in config.json (rms_norm_eps is typically 1e-6, or 0 for exact conversions).")
+        if not self.attention_dropout < 1:
+            raise ValueError(f"AttnResConfig.attention_dropout must be < 1, got {self.attention_dropout!r}.")
+        if not (isinstance(self.max_position_embeddings, int) and self.max_position_embeddings >= 1):
+            raise ValueError("AttnResConfig.max_position_embeddings must be a positive integer, got "
+                             f"{self.max_position_embeddings!r}.")
+        theta = (self.rope_parameters or {}).get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        if theta is not None and not (math.isfinite(theta) and theta > 0):
+            raise ValueError(f"AttnResConfig.rope_parameters['rope_theta'] must be a finite number > 0, got {theta!r}.")
 
     def validate_architecture(self):
         """Shapes the attention layers need; runs on construction and load."""
@@ -119,8 +172,7 @@ class AttnResConfig(LlamaConfig):
         when `j % s == 0`: site 0 stores the embedding as block 0, then every `s`-th sublayer output
         sum becomes a block. The output site never closes one.
         """
-        s, last = self.sublayers_per_block, 2 * self.num_hidden_layers
-        return tuple(DepthSite(j, -(-j // s), j < last and j % s == 0) for j in range(last + 1))
+        return depth_schedule(self.sublayers_per_block, self.num_hidden_layers)
 
     @property
     def num_depth_sources(self) -> int:
@@ -128,4 +180,38 @@ class AttnResConfig(LlamaConfig):
         return self.depth_sites[-1].num_stored + 1
 
 
-__all__ = ["AttnResConfig", "DepthSite"]
+_SCHEDULES: dict[tuple[int, int], tuple[DepthSite, ...]] = {}
+
+
+def depth_schedule(sublayers_per_block: int, num_hidden_layers: int) -> tuple[DepthSite, ...]:
+    """`AttnResConfig.depth_sites`, computed once per shape (every layer reads it at construction; a
+    plain dict rather than `lru_cache`, which torch.compile would trace through)."""
+    key = (sublayers_per_block, num_hidden_layers)
+    if key not in _SCHEDULES:
+        s, last = key[0], 2 * key[1]
+        _SCHEDULES[key] = tuple(DepthSite(j, -(-j // s), j < last and j % s == 0) for j in range(last + 1))
+    return _SCHEDULES[key]
+
+
+def check_not_foreign(config_dict: dict) -> None:
+    """Raise `ForeignCheckpointError` for a config dict another AttnRes implementation wrote: its
+    `auto_map` points at other code, or it has none of this package's depth-attention fields."""
+    auto_map = config_dict.get("auto_map") or {}
+    foreign_code = {k: v for k, v in auto_map.items() if k in AUTO_MAP and v.split("--")[-1] != AUTO_MAP[k]}
+    ours = [k for k in ("attn_res_mode", "attn_res_block_size") if k in config_dict]
+    if not foreign_code and ours:
+        return
+    found = (f"auto_map {foreign_code}" if foreign_code else
+             f"none of this package's fields (attn_res_mode, attn_res_block_size); its keys: "
+             f"{', '.join(sorted(config_dict)[:12])}")
+    raise ForeignCheckpointError(
+        f"This config.json says model_type 'attnres' but was written by other AttnRes code ({found}, "
+        f"architectures {config_dict.get('architectures')}); its fields and parameter names are not those of "
+        "this package's AttnResConfig. Either load it with its own code, in a process that has not imported "
+        "modeling_attnres or the attnres vLLM plugin: AutoModelForCausalLM.from_pretrained(PATH, "
+        "trust_remote_code=True); or convert its weights to this package's layout: attnres-convert PATH OUT "
+        "(other AttnRes layouts are read by name, see docs/conversion.md).")
+
+
+__all__ = ["AUTO_MAP", "SEED_SITE_ALIASES", "AttnResConfig", "DepthSite", "ForeignCheckpointError",
+           "is_depth_parameter"]

@@ -28,16 +28,19 @@ def site_backend(partial: Tensor) -> str:
     return "torch"
 
 
-def site_bank(embeds: Tensor, config) -> DepthBank:
+def site_bank(embeds: Tensor, config, same_on_every_rank: bool = False) -> DepthBank:
     """The empty bank of a forward pass over `embeds [*tokens, d]` (in the model's dtype): room for
     every source `config.depth_sites` stores, kept in the dtype `config.attn_res_bank_dtype` names.
 
-    `"auto"` keeps a float32 bank on the eager torch path on a CPU (no fused kernel): there
-    `mix_site` would convert the whole bank to float32 at every site, which costs more than the
-    halved bytes save (README, "Performance"). Compiled graphs, the C++ kernel and GPUs read a
-    low-precision bank directly."""
+    This is the one place the bank dtype is decided. `"auto"` stores blocks in a bfloat16/float16
+    model's dtype wherever a fused reader reads them (compiled graphs, the C++ kernel, GPUs), but keeps
+    a float32 bank on the eager torch path on a CPU: there `mix_site` would convert the whole bank to
+    float32 at every site, which costs more than the halved bytes save (docs/performance.md). With
+    `same_on_every_rank` (vLLM, whose pipeline-parallel ranks must agree on the dtype of the bank they
+    hand on before any forward pass runs) the config alone decides, as for a fused reader."""
     choice = config.attn_res_bank_dtype
-    fused = torch.compiler.is_compiling() or embeds.device.type != "cpu" or cpu_kernel_applies(embeds)
+    fused = (same_on_every_rank or torch.compiler.is_compiling() or embeds.device.type != "cpu"
+             or cpu_kernel_applies(embeds))
     dtype = bank_dtype(choice if fused else "float32", embeds.dtype)
     return empty_bank(embeds, config.depth_sites[-1].num_stored, dtype)
 

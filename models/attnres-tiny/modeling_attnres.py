@@ -10,7 +10,7 @@ mixes vectors of one token position, so decoding needs nothing beyond the ordina
 """
 
 import os
-import shutil
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,37 +33,19 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_attnres import AttnResConfig
+from .configuration_attnres import AUTO_MAP, SEED_SITE_ALIASES, AttnResConfig
 from .depth_attention import DepthBank, acc, add_to_partial
 from .depth_attention_ops import site_bank, site_mix, site_push
 
+# The files `save_pretrained` ships next to the weights (transformers' `custom_object_save` copies this
+# module and its relative imports); `from_pretrained(..., trust_remote_code=True)` runs them.
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py",
                      "depth_attention_ops.py", "depth_attention_triton.py", "modeling_attnres.py")
-REMOTE_CODE_AUTO_MAP = {
-    "AutoConfig": "configuration_attnres.AttnResConfig",
-    "AutoModel": "modeling_attnres.AttnResModel",
-    "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
-}
-
-
-# The seed pseudo-code names the attention site `attn_res_proj` / `attn_res_norm`; the spec asks
-# loaders to accept them. Applied on load only: saving always writes the spec's names.
-SEED_KEY_ALIASES = {
-    r"\.attn_res_proj\.": ".self_attention_res_proj.",
-    r"\.attn_res_norm\.": ".self_attention_res_norm.",
-}
-
-
-def copy_remote_code(save_directory: str | os.PathLike) -> None:
-    """Copy the flat modeling files next to a checkpoint (temporary name, then rename)."""
-    here = Path(__file__).resolve().parent
-    for name in REMOTE_CODE_FILES:
-        target = Path(save_directory) / name
-        tmp = target.with_name(f".{name}.tmp")
-        shutil.copyfile(here / name, tmp)
-        os.replace(tmp, target)
+# The seed names of the attention site, as `from_pretrained(key_mapping=...)` patterns. Applied on load
+# only: saving always writes the spec's names.
+SEED_KEY_ALIASES = {rf"\.{seed}\.": f".{ours}." for seed, ours in SEED_SITE_ALIASES.items()}
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
@@ -85,9 +67,14 @@ class AttnResPseudoQuery(nn.Linear):
         super().__init__(hidden_size, 1, bias=False)
 
 
-def mix(bank: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRMSNorm, keep_weights: bool):
-    """Mix one site from its own pseudo-query and key norm (`depth_attention_ops.site_mix`)."""
-    return site_mix(bank, partial, proj.weight, norm.weight, norm.variance_epsilon, keep_weights)
+class AttnResDepthMix(nn.Module):
+    """The mixing step of one site (`depth_attention_ops.site_mix`), without parameters of its own: a
+    module so that transformers' output capturing records its weights as `depth_attentions`."""
+
+    def forward(self, bank: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRMSNorm,
+                keep_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mix `[*tokens, d]` and, if `keep_weights`, the weights `[*tokens, num_sources]`."""
+        return site_mix(bank, partial, proj.weight, norm.weight, norm.variance_epsilon, keep_weights)
 
 
 def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config: AttnResConfig) -> str:
@@ -101,6 +88,39 @@ def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config
         f"head_dim={config.head_dim}, vocab_size={config.vocab_size}). Fix config.json to describe these "
         "weights, or pass ignore_mismatched_sizes=True to re-initialise the mismatched tensors."
     )
+
+
+def implied_shape(key: str, config: AttnResConfig) -> tuple[int, ...] | None:
+    """The shape `config` implies for checkpoint tensor `key` (`None` for a name it does not know)."""
+    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    by_suffix = {"embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
+                 "q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d), "o_proj.weight": (d, q),
+                 "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (d,),
+                 "q_norm.weight": (hd,), "k_norm.weight": (hd,), "gate_proj.weight": (inter, d),
+                 "up_proj.weight": (inter, d), "down_proj.weight": (d, inter), "_res_proj.weight": (1, d),
+                 "norm.weight": (d,)}
+    return next((shape for suffix, shape in by_suffix.items() if key.endswith(suffix)), None)
+
+
+def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResConfig) -> None:
+    """Refuse a checkpoint folder whose tensors (read from the safetensors headers only: nothing is
+    allocated) disagree with the sizes or layer count of `config`, before a model of that config is
+    built: a config that claims more rows or layers than the weights would otherwise allocate them first."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    layers = {int(m.group(1)) for key in shapes if (m := re.match(r"model\.layers\.(\d+)\.", key))}
+    if layers and max(layers) + 1 != config.num_hidden_layers:
+        raise ValueError(f"The checkpoint in {folder} has {max(layers) + 1} layers but its config.json says "
+                         f"num_hidden_layers={config.num_hidden_layers}; fix config.json to describe these weights.")
+    mismatched = {(key, shape, implied) for key, shape in shapes.items()
+                  if (implied := implied_shape(key, config)) is not None and tuple(shape) != implied}
+    if mismatched:
+        raise ValueError(describe_mismatched_shapes(mismatched, config))
 
 
 def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
@@ -133,6 +153,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.self_attention_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp_res_proj = AttnResPseudoQuery(config.hidden_size)
         self.mlp_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.depth_mix = AttnResDepthMix()
         self.attn_closes_block = config.depth_sites[2 * layer_idx].closes_block
         self.mlp_closes_block = config.depth_sites[2 * layer_idx + 1].closes_block
         self.eps = config.rms_norm_eps
@@ -148,10 +169,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_depth_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[DepthBank, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns the new `(bank, partial)` and, when asked, the weights of both sites."""
-        h, attn_site_weights = mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm,
-                                   output_depth_attentions)
+    ) -> tuple[DepthBank, torch.Tensor]:
+        """Returns the new `(bank, partial)`; the sites' weights are recorded when asked."""
+        h, _ = self.depth_mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm,
+                              output_depth_attentions)
         bank, partial = site_push(bank, partial, self.attn_closes_block, self.eps)
         h, _ = self.self_attn(
             hidden_states=self.input_layernorm(h),
@@ -164,10 +185,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         )
         partial = add_to_partial(partial, h)
 
-        h, mlp_site_weights = mix(bank, partial, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
+        h, _ = self.depth_mix(bank, partial, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
         bank, partial = site_push(bank, partial, self.mlp_closes_block, self.eps)
         partial = add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
-        return bank, partial, attn_site_weights, mlp_site_weights
+        return bank, partial
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -181,14 +202,25 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    _can_record_outputs = {"attentions": [LlamaAttention, Qwen3Attention]}
+    _can_record_outputs = {
+        "attentions": [LlamaAttention, Qwen3Attention],
+        # Every site in order: attention and MLP site of each layer, then the output site.
+        "depth_attentions": OutputRecorder(AttnResDepthMix, index=1),
+    }
 
     @classmethod
     def from_pretrained(cls, *args, key_mapping: dict[str, str] | None = None, ignore_mismatched_sizes: bool = False,
                         output_loading_info: bool = False, **kwargs):
         """`PreTrainedModel.from_pretrained`, also accepting the seed names of the attention site, and
         failing on a checkpoint whose tensor shapes disagree with its config with an error that names
-        every such tensor (transformers' own error only points at a logged report)."""
+        every such tensor (transformers' own error only points at a logged report). A local folder is
+        checked against its config from the safetensors headers before anything is allocated."""
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if not ignore_mismatched_sizes and path is not None and os.path.isdir(path):
+            config = kwargs.get("config")
+            if not isinstance(config, AttnResConfig):
+                config = AttnResConfig.from_pretrained(path, **{k: kwargs[k] for k in ("revision",) if k in kwargs})
+            check_checkpoint_against_config(path, config)
         model, info = super().from_pretrained(
             *args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, ignore_mismatched_sizes=True,
             output_loading_info=True, **kwargs)
@@ -201,14 +233,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
         model._weight_conversions = model._weight_conversions or None
         return (model, info) if output_loading_info else model
 
-    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus the modeling files and `config.auto_map`, so that the
-        folder (and a `push_to_hub` of it) loads with `trust_remote_code=True` where this package is
-        not installed. An installed `modeling_attnres` still takes precedence when it is."""
-        self.config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            copy_remote_code(save_directory)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`: transformers copies the modeling files (`REMOTE_CODE_FILES`,
+        the classes are registered for the Auto classes) and this adds the whole `AUTO_MAP`, so that the
+        folder (and a `push_to_hub` of it) loads with `trust_remote_code=True` for AutoConfig, AutoModel
+        and AutoModelForCausalLM where this package is not installed. An installed `modeling_attnres`
+        still takes precedence when it is."""
+        self.config.auto_map = dict(AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module):
         # Pseudo-queries start at zero (uniform mixing at step 0); the generic Linear init would not.
@@ -246,6 +278,7 @@ class AttnResModel(AttnResPreTrainedModel):
         )
         self.output_attn_res_proj = AttnResPseudoQuery(config.hidden_size)
         self.output_attn_res_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.output_depth_mix = AttnResDepthMix()
         self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -270,7 +303,8 @@ class AttnResModel(AttnResPreTrainedModel):
             Return the embedding and, after each layer, the equivalent residual stream (the sum of all
             sources); the last entry is `last_hidden_state`, as in every transformers model.
         output_depth_attentions (`bool`, *optional*):
-            Return the depth-attention weights of every site, `[batch, seq, num_sources]` each.
+            Return the depth-attention weights of every site, `[batch, seq, num_sources]` each (recorded
+            by transformers' output capturing from every `AttnResDepthMix`).
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -301,9 +335,8 @@ class AttnResModel(AttnResPreTrainedModel):
         bank = site_bank(inputs_embeds, self.config)                 # [batch, seq, capacity, d]
         partial = add_to_partial(None, inputs_embeds)                  # the embedding: block 0
         all_hidden_states = [inputs_embeds] if output_hidden_states else None
-        depth_attentions = [] if output_depth_attentions else None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            bank, partial, attn_site_weights, mlp_site_weights = decoder_layer(
+            bank, partial = decoder_layer(
                 bank,
                 partial,
                 attention_mask=causal_mask,
@@ -316,21 +349,16 @@ class AttnResModel(AttnResPreTrainedModel):
             )
             if output_hidden_states:
                 all_hidden_states.append((acc(bank.sources).sum(-2) + partial).to(inputs_embeds.dtype))
-            if output_depth_attentions:
-                depth_attentions += [attn_site_weights, mlp_site_weights]
 
-        out, output_site_weights = mix(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm,
+        out, _ = self.output_depth_mix(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm,
                                        output_depth_attentions)
         hidden_states = self.norm(out)
         if output_hidden_states:
             all_hidden_states[-1] = hidden_states
-        if output_depth_attentions:
-            depth_attentions.append(output_site_weights)
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
             hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
-            depth_attentions=tuple(depth_attentions) if output_depth_attentions else None,
         )
 
 
@@ -340,6 +368,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
@@ -387,5 +416,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             depth_attentions=outputs.depth_attentions,
         )
 
+
+# Saving copies this module and its siblings next to the weights and writes `auto_map` (`custom_object_save`).
+AttnResConfig.register_for_auto_class()
+AttnResModel.register_for_auto_class("AutoModel")
+AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM"]

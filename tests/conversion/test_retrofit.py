@@ -103,6 +103,30 @@ def test_resume_equals_an_uninterrupted_run(zeroed, corpus, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.timeout(240)
+def test_resume_passes_over_a_checkpoint_cut_short_and_still_equals_an_uninterrupted_run(zeroed, corpus, tmp_path):
+    """A run killed while saving leaves a checkpoint without its completion marker (or with a file the
+    marker does not describe): --resume takes the newest complete one instead."""
+    common = ("--steps", "6", "--save-every", "2")
+    straight = run(zeroed, corpus, tmp_path / "a", *common, "--out", str(tmp_path / "out_a"))
+    run(zeroed, corpus, tmp_path / "b", *common, "--stop-after", "4")
+    assert all(retrofit.is_complete(tmp_path / "b" / f"checkpoint-{step}") for step in (2, 4))
+    weights = tmp_path / "b" / "checkpoint-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])          # torn by a kill
+    assert not retrofit.is_complete(tmp_path / "b" / "checkpoint-4")
+    assert retrofit.last_checkpoint(tmp_path / "b", log=lambda _: None).endswith("checkpoint-2")
+    resumed = run(zeroed, corpus, tmp_path / "b", *common, "--resume", "--out", str(tmp_path / "out_b"))
+    assert resumed["history"] == straight["history"]
+    a, b = load_file(tmp_path / "out_a" / "model.safetensors"), load_file(tmp_path / "out_b" / "model.safetensors")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_two_runs_in_one_work_dir_are_refused(zeroed, corpus, tmp_path):
+    with retrofit.work_dir_lock(tmp_path / "w"):
+        with pytest.raises(retrofit.RetrofitError, match="is in use by another attnres-retrofit run"):
+            run(zeroed, corpus, tmp_path / "w", "--steps", "2")
+
+
 def error_of(capsys, *argv) -> str:
     """The one-line error of a run whose inputs cannot be used (exit status 1: failed work)."""
     assert retrofit.main([str(a) for a in argv]) == 1
@@ -128,7 +152,7 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
     assert "shorter than one window of --seq-len 100000" in error_of(capsys, zeroed, corpus, "--pattern", "*.py",
                                                                        "--validation-percent", "20",
                                                                        "--seq-len", "100000")
-    assert "no checkpoint-* folder" in error_of(capsys, zeroed, corpus, *RETROFIT_ARGS, "--resume",
+    assert "no complete checkpoint-* folder" in error_of(capsys, zeroed, corpus, *RETROFIT_ARGS, "--resume",
                                                 "--work-dir", tmp_path / "none")
     assert "--batch-size 3 (the global batch) must be a multiple of the 2 processes" in str(
         pytest.raises(UsageError, retrofit.check_args, retrofit.parse_args(

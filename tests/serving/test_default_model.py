@@ -142,7 +142,9 @@ def test_a_cached_folder_whose_files_changed_is_rebuilt(built, tmp_path, monkeyp
     copy = tmp_path / "cache"
     shutil.copytree(path, copy / path.name)
     weights = copy / path.name / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                        # one flipped byte in the weights
+    weights.write_bytes(bytes(data))
     fetched = []
 
     def fetch(dest):
