@@ -10,10 +10,14 @@ DST, removed when the conversion ends, or by the next writer in that folder if t
 (`publish.scratch_folder`).
 """
 
+import math
+import os
+import struct
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -25,6 +29,23 @@ from .publish import scratch_folder
 # (llama.cpp also writes Mistral models as "llama"; transformers maps those back to Mistral).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 INSTALL_HINT = "install the gguf package (`pip install 'attnres[gguf]'` or `pip install gguf`)"
+
+# Limits of the header pre-scan (`check_gguf_bounds`). The gguf package's reader makes numpy objects for
+# every metadata array element and every tensor (measured: 1M one-byte elements 17 s and 700 MB, 100k
+# tensors 7 s and 500 MB), so a small file that claims many costs far more than its size. Real Llama
+# GGUFs hold about 0.5M array elements (Llama 3's vocabulary and merges) and under 2,000 tensors.
+MAX_ARRAY_ELEMENTS = 1 << 21
+MAX_TENSORS = 1 << 16
+MAX_NAME_BYTES = 65535      # the GGUF spec's limit on keys (tensor names are shorter still)
+MAX_DIMS = 4                # GGML_MAX_DIMS
+# Bytes of GGUF's fixed-size metadata value types, by type id (8 is a string, 9 an array).
+VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY, UINT32 = 8, 9, 4
+INTEGER_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
+# Metadata numbers (`ARCH.KEY`) transformers builds the model from before it reads a tensor; each is a
+# tensor dimension or smaller, except the context length.
+SHAPE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+              "attention.head_count_kv", "rope.dimension_count", "vocab_size", "context_length")
 
 
 def _gguf_module():
@@ -62,9 +83,125 @@ def dequantisable_types() -> list[str]:
     return names
 
 
-def inspect_gguf(path: Path) -> Counter:
-    """Check the architecture and tensor types before any work; returns the count of each type."""
+class _HeaderScan:
+    """A GGUF header read a few bytes at a time: every count and length is checked against the bytes
+    left in the file before anything is read or skipped by it."""
+
+    def __init__(self, file, path: Path):
+        self.file, self.path, self.size = file, path, os.fstat(file.fileno()).st_size
+        self.order, self.elements = "<", 0
+
+    def refuse(self, what: str, fix: str = "The file is truncated or corrupt; download or copy it again.") -> NoReturn:
+        raise ConversionError(f"Cannot read {self.path} as a GGUF file: {what}. {fix}")
+
+    def need(self, count: int, units: str, what: str, unit_bytes: int = 1) -> None:
+        left = self.size - self.file.tell()
+        if count * unit_bytes > left:
+            self.refuse(f"{what} claims {count} {units} but only {left} bytes remain")
+
+    def number(self, fmt: str, what: str) -> int:
+        self.need(struct.calcsize(fmt), "bytes", what)
+        return struct.unpack(self.order + fmt, self.file.read(struct.calcsize(fmt)))[0]
+
+    def skip(self, count: int, units: str, what: str, unit_bytes: int = 1) -> None:
+        self.need(count, units, what, unit_bytes)
+        self.file.seek(count * unit_bytes, os.SEEK_CUR)
+
+    def name_string(self, what: str) -> str:
+        """A key or tensor name (short by the spec, so read; value strings are only skipped)."""
+        length = self.number("Q", f"the length of {what}")
+        if length > MAX_NAME_BYTES:
+            self.refuse(f"{what} claims {length} bytes, expected at most {MAX_NAME_BYTES}")
+        self.need(length, "bytes", what)
+        return self.file.read(length).decode("utf-8", "replace")
+
+    def value(self, vtype: int, key: str) -> None:
+        """Skip one metadata value (arrays: their elements) by seeking, never reading it whole."""
+        if vtype in VALUE_BYTES:
+            self.skip(VALUE_BYTES[vtype], "bytes", f"metadata value {key!r}")
+        elif vtype == STRING:
+            self.skip(self.number("Q", f"the length of metadata string {key!r}"), "bytes", f"metadata string {key!r}")
+        elif vtype != ARRAY:
+            self.refuse(f"metadata value {key!r} has type {vtype}, expected a GGUF value type (0-12)")
+        else:
+            etype, count = self.number("I", f"the element type of {key!r}"), self.number("Q", f"the length of {key!r}")
+            what = f"metadata array {key!r}"
+            if etype not in VALUE_BYTES and etype != STRING:
+                self.refuse(f"{what} has element type {etype}, expected a number, bool or string type (0-8, 10-12)")
+            self.need(count, "elements", what, VALUE_BYTES.get(etype, 8))   # a string is at least its length
+            self.elements += count
+            if self.elements > MAX_ARRAY_ELEMENTS:
+                self.refuse(f"its metadata arrays claim over {MAX_ARRAY_ELEMENTS} elements (at {key!r}), far "
+                            "more than a Llama model's vocabulary needs")
+            if etype == STRING:
+                for _ in range(count):
+                    self.skip(self.number("Q", f"a string's length in {what}"), "bytes", f"a string in {what}")
+            else:
+                self.file.seek(count * VALUE_BYTES[etype], os.SEEK_CUR)
+
+    def tensor_info(self, quant_sizes: dict) -> tuple[str, int, int]:
+        """A tensor's name, byte size (compared, never allocated) and offset in the data section."""
+        name = self.name_string("a tensor name")
+        n_dims = self.number("I", f"the dimension count of tensor {name!r}")
+        if n_dims > MAX_DIMS:
+            self.refuse(f"tensor {name!r} claims {n_dims} dimensions, expected at most {MAX_DIMS}")
+        dims = [self.number("Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
+        qtype, offset = self.number("I", f"the type of tensor {name!r}"), self.number("Q", f"the offset of {name!r}")
+        if qtype not in quant_sizes:
+            self.refuse(f"tensor {name!r} has type id {qtype}, which is not a ggml tensor type this gguf package "
+                        "knows", "The file is corrupt, or newer than the gguf package: `pip install -U gguf`.")
+        if 0 in dims:
+            self.refuse(f"tensor {name!r} has shape {dims}, expected no dimension of 0")
+        block_elements, block_bytes = quant_sizes[qtype]
+        return name, math.prod(dims) * block_bytes // block_elements, offset
+
+
+def check_gguf_bounds(path: Path) -> None:
+    """Refuse a GGUF whose header claims more than the file holds, before the gguf package's reader
+    allocates by those claims (a 100-byte file with a metadata array of 2**62 elements made it run for
+    minutes and take GBs): walks the header, checking each count and length against the bytes left
+    and each tensor's data against the end of the file."""
     gguf = _gguf_module()
+    try:
+        with open(path, "rb") as file:
+            scan = _HeaderScan(file, path)
+            if (magic := file.read(4)) != b"GGUF":
+                scan.refuse(f"it starts with {magic!r}, expected b'GGUF'")
+            version = scan.number("I", "the version")
+            if version & 0xFFFF == 0:       # written on a big-endian machine; gguf's reader reads those too
+                scan.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+            if version not in (2, 3):
+                scan.refuse(f"it is GGUF version {version}, expected 2 or 3", "Re-export it with a current llama.cpp.")
+            tensors, kvs = scan.number("Q", "the tensor count"), scan.number("Q", "the metadata count")
+            scan.need(kvs, "metadata entries", "the metadata count", 13)    # key length, type, a 1-byte value
+            scan.need(tensors, "tensors", "the tensor count", 24)           # name length, n_dims, type, offset
+            if tensors > MAX_TENSORS:
+                scan.refuse(f"it claims {tensors} tensors, expected at most {MAX_TENSORS}")
+            alignment = 32
+            for _ in range(kvs):
+                key = scan.name_string("a metadata key")
+                vtype = scan.number("I", f"the type of metadata value {key!r}")
+                if key == "general.alignment" and vtype == UINT32:
+                    alignment = scan.number("I", key)
+                    if alignment == 0 or alignment & (alignment - 1):
+                        scan.refuse(f"general.alignment is {alignment}, expected a power of two")
+                else:
+                    scan.value(vtype, key)
+            infos = [scan.tensor_info(gguf.GGML_QUANT_SIZES) for _ in range(tensors)]
+            start = -(-file.tell() // alignment) * alignment
+            for name, size, offset in infos:
+                if start + offset + size > scan.size:
+                    scan.refuse(f"tensor {name!r} claims {size} bytes at data offset {offset} but only "
+                                f"{max(scan.size - start - offset, 0)} bytes remain there")
+    except OSError as err:
+        raise ConversionError(f"Cannot read {path}: {err}. Check the path and its permissions.") from err
+
+
+def inspect_gguf(path: Path) -> Counter:
+    """Check the file's bounds, architecture, shape metadata and tensor types before any work (and before
+    anything else reads it); returns the count of each tensor type."""
+    gguf = _gguf_module()
+    check_gguf_bounds(path)
     try:
         reader = gguf.GGUFReader(path)
         field = reader.fields["general.architecture"]
@@ -76,6 +213,7 @@ def inspect_gguf(path: Path) -> Counter:
         raise ConversionError(f"Unsupported GGUF architecture {arch!r} in {path.name}: attnres-convert reads "
                               f"GGUF files of architecture {', '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))} "
                               "(Llama-family). Convert the original transformers checkpoint instead.")
+    check_shape_metadata(reader, arch, path)
     types = Counter(t.tensor_type.name for t in reader.tensors)
     supported = dequantisable_types()
     unsupported = {name: [t.name for t in reader.tensors if t.tensor_type.name == name]
@@ -85,6 +223,29 @@ def inspect_gguf(path: Path) -> Counter:
         raise ConversionError(f"{path.name} holds tensor types that cannot be dequantised: {found}. Supported: "
                               f"{', '.join(supported)}. Re-export the GGUF with one of these types.")
     return types
+
+
+def check_shape_metadata(reader, arch: str, path: Path) -> None:
+    """Refuse shape metadata that transformers cannot build a model from, or would build a model far larger
+    than the file from (it makes every claimed layer first: a claim of 10**8 layers ran for minutes): each
+    number a positive integer no larger than the largest tensor dimension, the block count the number of
+    layers the file holds tensors for."""
+    layers = len({t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")})
+    largest = max((int(d) for t in reader.tensors for d in t.shape), default=0)
+    for key in SHAPE_KEYS:
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is None:
+            continue
+        integer = len(field.types) == 1 and int(field.types[0]) in INTEGER_TYPES
+        value = int(field.parts[field.data[0]][0]) if integer else None
+        low, high = {"block_count": (layers, layers), "context_length": (1, math.inf)}.get(key, (1, largest))
+        expected = (f"{layers}, the number of layers it holds tensors for" if key == "block_count" else
+                    "a positive integer" if key == "context_length" else
+                    f"a positive integer no larger than its largest tensor dimension ({largest})")
+        if value is None or not low <= value <= high:
+            shown = value if value is not None else f"a {field.types[-1].name.lower()} value"
+            raise ConversionError(f"Cannot read {path} as a GGUF model: its metadata {arch}.{key} is {shown}, "
+                                  f"expected {expected}. The file is corrupt; download or copy it again.")
 
 
 def describe(types: Counter) -> str:
@@ -102,9 +263,10 @@ def load_dequantised(path: Path):
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
                                                       quantization_config=GgufConfig(dequantize=True))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (ValueError, KeyError, OSError, RuntimeError) as err:
-        raise ConversionError(f"transformers cannot load {path} as a GGUF model: {err}. Check that the file is "
-                              "complete (download it again) and that its architecture is a plain Llama.") from err
+    except Exception as err:    # bad metadata surfaces as any type: ZeroDivisionError, IndexError, StrictDataclassError
+        raise ConversionError(f"transformers cannot load {path} as a GGUF model: {type(err).__name__}: {err}. Check "
+                              "that the file is complete (download it again) and that its architecture is a plain "
+                              "Llama.") from err
     if hasattr(loaded.config, "quantization_config"):       # its tensors are dense float32 already
         del loaded.config.quantization_config
     loaded.config.architectures = [type(loaded).__name__]
