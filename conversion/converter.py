@@ -195,15 +195,16 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = N
     """Convert SRC (folder, Hub repo id, state-dict file or Llama GGUF file) into an AttnRes checkpoint at DST."""
     options = options or ConvertOptions()
     src_path = resolve_source(str(src), options.revision)
+    label = options.source_label or str(src)
     dst = Path(dst).expanduser().resolve()
     check_destination(dst, src_path, options.overwrite)
     gguf_file = find_gguf(src_path)
     if gguf_file is None:
-        return _convert_planned(str(src), plan_conversion(src_path, options), dst, options)
+        return _convert_planned(label, plan_conversion(src_path, options), dst, options)
     _reject_options(options, ("seed_block_size", "config_path"), f"{gguf_file.name} is a GGUF file with its own "
                     "config in its metadata, not a seed-layout state dict.")
     with dequantised_folder(gguf_file, dst) as (folder, origin, model):
-        return _convert_planned(str(src), _plan_standard(folder, options, model), dst, options, origin)
+        return _convert_planned(label, _plan_standard(folder, options, model), dst, options, origin)
 
 
 def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,

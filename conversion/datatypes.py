@@ -39,6 +39,7 @@ class ConvertOptions:
     config_path: Path | None = None
     revision: str | None = None
     max_shard_size: str = "5GB"
+    source_label: str | None = None      # how the summary and model card name SRC (default: SRC as given)
 
 
 @dataclass

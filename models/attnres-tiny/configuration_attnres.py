@@ -11,11 +11,14 @@ import re
 from typing import NamedTuple
 
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 from .depth_attention import BANK_DTYPES
 
 ATTN_RES_MODES = ("block", "full")
+MAX_SIZE = 2**31 - 1          # any one tensor dimension
+MAX_LAYERS = 4096
 
 # The parameter-naming contract (docs/spec.md), written once for the model, the vLLM loader and the
 # converters: a site's pseudo-query is `*_res_proj.weight`, its key-norm gain `*_res_norm.weight`.
@@ -97,9 +100,15 @@ class AttnResConfig(LlamaConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """`PreTrainedConfig.from_dict`, refusing a config that another AttnRes implementation wrote under
-        the same `model_type` (its fields and parameter names are not this package's)."""
+        the same `model_type` (its fields and parameter names are not this package's), and turning what
+        a malformed config.json makes transformers' own parsing raise into one clear `ValueError`."""
         check_not_foreign(config_dict)
-        return super().from_dict(config_dict, **kwargs)
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        except (AttributeError, TypeError, IndexError, KeyError, ZeroDivisionError, OverflowError) as err:
+            raise ValueError(f"config.json cannot be read as an AttnResConfig ({type(err).__name__}: {err}); a field "
+                             "has a value of the wrong type or range: compare it with a config written by "
+                             "save_pretrained.") from err
 
     def validate_numbers(self):
         """Every numeric field finite and of the right sign; runs on construction and load."""
@@ -113,18 +122,23 @@ class AttnResConfig(LlamaConfig):
         if not (isinstance(self.max_position_embeddings, int) and self.max_position_embeddings >= 1):
             raise ValueError("AttnResConfig.max_position_embeddings must be a positive integer, got "
                              f"{self.max_position_embeddings!r}.")
-        theta = (self.rope_parameters or {}).get("rope_theta") if isinstance(self.rope_parameters, dict) else None
-        if theta is not None and not (math.isfinite(theta) and theta > 0):
+        rope = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
+        theta = rope.get("rope_theta", 1.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
             raise ValueError(f"AttnResConfig.rope_parameters['rope_theta'] must be a finite number > 0, got {theta!r}.")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"AttnResConfig.hidden_act {self.hidden_act!r} is not an activation transformers knows; "
+                             f"use one of {', '.join(sorted(ACT2FN)[:8])}, ... (Llama's is 'silu').")
 
     def validate_architecture(self):
-        """Shapes the attention layers need; runs on construction and load."""
-        super().validate_architecture()
+        """Shapes the attention layers need; runs on construction and load. Sizes are bounded too: past
+        int32 no tensor dimension can be indexed, and past `MAX_LAYERS` building the model never ends."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim"):
-            value = getattr(self, name)
-            if value is None or value < 1:
-                raise ValueError(f"AttnResConfig.{name} must be a positive integer, got {value!r}.")
+            value, limit = getattr(self, name), MAX_LAYERS if name == "num_hidden_layers" else MAX_SIZE
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ValueError(f"AttnResConfig.{name} must be a positive integer up to {limit}, got {value!r}.")
+        super().validate_architecture()
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"AttnResConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -197,7 +211,10 @@ def check_not_foreign(config_dict: dict) -> None:
     """Raise `ForeignCheckpointError` for a config dict another AttnRes implementation wrote: its
     `auto_map` points at other code, or it has none of this package's depth-attention fields."""
     auto_map = config_dict.get("auto_map") or {}
-    foreign_code = {k: v for k, v in auto_map.items() if k in AUTO_MAP and v.split("--")[-1] != AUTO_MAP[k]}
+    if not isinstance(auto_map, dict):
+        raise ValueError(f"config.json's auto_map must be a mapping of Auto class names to code, got {auto_map!r}; "
+                         "remove it, or write it as save_pretrained does.")
+    foreign_code = {k: v for k, v in auto_map.items() if k in AUTO_MAP and str(v).split("--")[-1] != AUTO_MAP[k]}
     ours = [k for k in ("attn_res_mode", "attn_res_block_size") if k in config_dict]
     if not foreign_code and ours:
         return

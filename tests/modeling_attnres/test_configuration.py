@@ -40,7 +40,7 @@ def test_save_load_round_trip(tmp_path):
         (dict(attn_res_block_size=-2), "got -2"),
         (dict(num_attention_heads=4, num_key_value_heads=3),
          "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
-        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer, got 0"),
+        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer up to 4096, got 0"),
     ],
 )
 def test_invalid_values_raise_at_construction(overrides, fragment):

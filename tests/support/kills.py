@@ -21,12 +21,14 @@ from pathlib import Path
 from tests.support.processes import run_bounded, stop_group
 
 
-def state_of(path: Path) -> dict[str, str] | None:
-    """sha256 of every file under `path` by relative name (`None` when `path` does not exist)."""
+def state_of(path: Path, volatile: tuple[str, ...] = ()) -> dict[str, str] | None:
+    """sha256 of every file under `path` by relative name (`None` when `path` does not exist); files
+    named in `volatile` (say, a timing record) count by presence only."""
     if not path.exists():
         return None
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    return {p.relative_to(path).as_posix():
+            "present" if p.name in volatile else hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def stagings(folder: Path) -> list[str]:
@@ -66,13 +68,15 @@ def kill_after(command: list[str], seconds: float, ready: Callable[[], bool] | N
 
 
 def check_kills(command: list[str], dst: Path, restore_old: Callable[[], None], rng: random.Random,
-                kills: int = 2, before_rerun: Callable[[], list[str]] | None = None, **kwargs) -> list[str]:
+                kills: int = 2, before_rerun: Callable[[], list[str]] | None = None, volatile: tuple[str, ...] = (),
+                **kwargs) -> list[str]:
     """See the module docstring. `before_rerun()` may give extra arguments for the run after a kill
-    (`--resume`); returns what was observed at each kill point, for the test's log."""
+    (`--resume`); `volatile` names files whose content differs between complete runs (see `state_of`).
+    Returns what was observed at each kill point, for the test's log."""
     restore_old()
-    old = state_of(dst)
+    old = state_of(dst, volatile)
     duration = run_to_end(command, **kwargs)
-    new = state_of(dst)
+    new = state_of(dst, volatile)
     assert new is not None and new != old, "the command did not change its destination: nothing to test"
     seen = []
     for point in range(kills):
@@ -83,11 +87,13 @@ def check_kills(command: list[str], dst: Path, restore_old: Callable[[], None], 
         else:
             where, delay = "start", rng.uniform(0.2, 1.0) * duration
             status = kill_after(command, delay, **kwargs)
-        after = state_of(dst)
+        after = state_of(dst, volatile)
         label = f"{delay:.2f} s after {where}"
         assert after in (old, new), f"killed {label}: {dst} is neither the old state nor the complete new one"
         seen.append(f"{label}: {'new' if after == new else 'old'}{'' if status is None else ' (had ended)'}")
         run_to_end(command + (before_rerun() if before_rerun else []), **kwargs)
-        assert state_of(dst) == new, f"the run after a kill {label} did not produce the new state"
+        final = state_of(dst, volatile)
+        assert final == new, (f"the run after a kill {label} did not produce the new state; differing: "
+                              f"{sorted(k for k in set(final or {}) | set(new) if (final or {}).get(k) != new.get(k))}")
         assert stagings(dst.parent) == [], f"left beside {dst}: {stagings(dst.parent)}"
     return seen
