@@ -60,11 +60,15 @@ class AttnResMLP(LlamaMLP):
     """Llama's gated MLP."""
 
 
-class AttnResPseudoQuery(nn.Linear):
-    """The pseudo-query `w` of one depth-attention site: `Linear(d, 1, bias=False)`, zero at init."""
+class AttnResPseudoQuery(nn.Module):
+    """The pseudo-query `w` of one depth-attention site: a `[1, d]` weight (as `Linear(d, 1, bias=False)`
+    stores it), zero at init. Not an `nn.Linear`: it is never applied as one (its folded form is), and
+    frameworks that swap or quantize every Linear (vLLM's Transformers backend, bitsandbytes) must
+    leave it alone."""
 
     def __init__(self, hidden_size: int):
-        super().__init__(hidden_size, 1, bias=False)
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
 
 class AttnResDepthMix(nn.Module):

@@ -7,6 +7,9 @@ that it changes the greedy tokens. References: transformers with the adapter (PE
 (`*_res_proj`, a `Linear(d, 1)` that vLLM holds as a plain parameter) is refused by name.
 """
 
+import json
+import shutil
+
 import openai
 import pytest
 import torch
@@ -74,8 +77,13 @@ def test_adapter_equals_merged_checkpoint(lora, merged_results, tmp_path):
     from vllm.lora.request import LoRARequest
 
     base, adapter, _, expected = lora
+    # An adapter that also claims a pseudo-query (PEFT itself refuses to make one: it is no Linear), as a
+    # hand-edited or foreign adapter would.
     bad = tmp_path / "targets-pseudo-query"
-    peft_model(base, ["q_proj", "mlp_res_proj"], seed=1).save_pretrained(bad)
+    shutil.copytree(adapter, bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    config["target_modules"] = sorted({*config["target_modules"], "mlp_res_proj"})
+    (bad / "adapter_config.json").write_text(json.dumps(config))
     llm = make_llm(base, enforce_eager=True, enable_lora=True, max_lora_rank=RANK, max_loras=1)
     try:
         with_lora = generate(llm, LoRARequest("adapter", 1, str(adapter)))
