@@ -25,7 +25,9 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
   checks needs the key, not only vLLM's `/v1` prefixes (`auth.py`); a non-loopback `--host` without
   a key is warned about;
 - `--enable-tokenizer-info-endpoint`, so that clients such as lm-evaluation-harness find the
-  tokenizer (and chat template) through the server, behind the key like every route.
+  tokenizer (and chat template) through the server, behind the key like every route;
+- `--worker-extension-cls WORKER_EXTENSION`: checked, partial, in-place weight updates
+  (`weights.py`), which an RL trainer reaches through `/collective_rpc` with `VLLM_SERVER_DEV_MODE=1`.
 
 `attnres-vllm ARGS` is vLLM's own command line (`attnres-vllm bench serve ...`) with the same fix.
 """
@@ -50,6 +52,8 @@ DEFAULT_COMPILATION = '{"mode": 2, "backend": "eager"}'
 # `auth.RequireAPIKey` (named, not imported: this module runs before vLLM is imported).
 MIDDLEWARE = "attnres.serving.auth.RequireAPIKey"
 LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+# `weights.AttnResWeightUpdates`: checked in-place weight updates (`/collective_rpc` in dev mode).
+WORKER_EXTENSION = "attnres.serving.weights.AttnResWeightUpdates"
 
 
 def installed_vllm() -> tuple[str, bool]:
@@ -151,6 +155,8 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         extra += ["--middleware", MIDDLEWARE]
     if not has_option(args, "--enable-tokenizer-info-endpoint"):
         extra += ["--enable-tokenizer-info-endpoint"]
+    if not has_option(args, "--worker-extension-cls"):
+        extra += ["--worker-extension-cls", WORKER_EXTENSION]
     head = ["serve"] + ([path] if path is not None else [])
     return head + args + extra
 

@@ -31,6 +31,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
+from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
@@ -52,6 +53,8 @@ from modeling_attnres.configuration_attnres import SEED_SITE_ALIASES, AttnResCon
 from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank
 from modeling_attnres.depth_attention_ops import site_bank, site_mix, site_push
 from modeling_attnres.modeling_attnres import check_checkpoint_against_config
+
+logger = init_logger(__name__)
 
 # The one table of checkpoint names (HF name -> this module's name). q/k/v and gate/up load into the
 # fused `qkv_proj` / `gate_up_proj` (shard ids as in vLLM's llama.py); the seed pseudo-code's names
@@ -327,10 +330,14 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a transformers AttnRes checkpoint through vLLM's `AutoWeightsLoader` and `HF_TO_VLLM`.
 
-        Raises `ValueError` listing every missing and unexpected checkpoint key, after reading the
-        whole checkpoint. Under pipeline parallelism each rank loads and checks only its own
-        parameters; keys of other ranks' layers are skipped, never reported.
+        The first load must be the whole checkpoint: it raises `ValueError` listing every missing and
+        unexpected key, after reading all of it. Later loads (vLLM's in-place `reload_weights`, which
+        `weights.update_weights` drives after checking the update) may carry any subset; an unknown
+        name is then logged and skipped rather than raised, since an exception inside vLLM's reload
+        would leave layers unmaterialised. Under pipeline parallelism each rank loads and checks only
+        its own parameters; keys of other ranks' layers are skipped, never reported.
         """
+        first = not getattr(self, "weights_loaded", False)
         mapper = checkpoint_mapper(self)
         params = dict(self.named_parameters(remove_duplicate=False))  # a tied lm_head included
         renames = mapper.get_rename_mapper()                            # aliases only, no fusing
@@ -349,15 +356,32 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
                 yield name, tensor
 
         loaded = AutoWeightsLoader(self).load_weights(known(weights), mapper=HF_TO_VLLM)
-        missing = sorted(self.checkpoint_keys() - seen)
-        if missing or unexpected:
+        missing = sorted(self.checkpoint_keys() - seen) if first else []
+        if first and (missing or unexpected):
             raise ValueError(
                 f"The checkpoint does not match AttnResForCausalLM ({len(params)} parameters, "
                 f"tie_word_embeddings={self.config.tie_word_embeddings}).\n"
                 f"Missing keys ({len(missing)}): {missing}\n"
                 f"Unexpected keys ({len(unexpected)}): {sorted(unexpected)}"
             )
+        if unexpected:
+            logger.error("Weight update: skipped %d names that are not parameters of AttnResForCausalLM: %s",
+                         len(unexpected), sorted(unexpected))
+        self.weights_loaded = True
         return loaded
+
+    def resolve_checkpoint_key(self, name: str) -> str:
+        """A checkpoint name with the seed aliases resolved (and a tied `lm_head.weight` as the embedding)."""
+        key = checkpoint_mapper(self).get_rename_mapper().map_name(name) or name
+        return "model.embed_tokens.weight" if key == "lm_head.weight" and self.config.tie_word_embeddings else key
+
+    def checkpoint_target(self, key: str) -> tuple[str | None, str | int | None]:
+        """`(parameter name, shard id)` a checkpoint key loads into on this rank; `(None, None)` when it
+        is another pipeline rank's (or dropped)."""
+        mapped = checkpoint_mapper(self)._map_name_with_shard(key)
+        if mapped is None or is_pp_missing_parameter(mapped[0], self):
+            return None, None
+        return mapped
 
     def checkpoint_keys(self) -> set[str]:
         """The checkpoint keys (aliases resolved) this model's parameters load from; fused ones expanded.

@@ -55,7 +55,8 @@ def server_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(request, server_cache):
-    """One real `attnres-serve` process per test module, started with the module's `SERVER_ARGS` (and
+    """One real `attnres-serve` process per test module, started with the module's `SERVER_ARGS` (or
+    `server_args(request)`, for arguments made by fixtures) (and
     `SERVER_ENV`, and `--api-key SERVER_API_KEY` when the module sets one) on a free loopback port, its
     engine core in its own process as users run it. A module's last test may stop it with SIGTERM and
     check that this sufficed; the teardown only cleans up (SIGKILL included) after a failure."""
@@ -64,8 +65,8 @@ def server(request, server_cache):
     env = {"ATTNRES_CACHE_DIR": str(server_cache), "VLLM_ENABLE_V1_MULTIPROCESSING": None,
            **getattr(request.module, "SERVER_ENV", {})}
     key = getattr(request.module, "SERVER_API_KEY", None)
-    proc = ServerProcess([*request.module.SERVER_ARGS, *(["--api-key", key] if key else [])], env=env,
-                         startup_timeout=600)
+    args = request.module.server_args(request) if hasattr(request.module, "server_args") else request.module.SERVER_ARGS
+    proc = ServerProcess([*args, *(["--api-key", key] if key else [])], env=env, startup_timeout=600)
     proc.api_key = key
     proc.start()
     print(f"attnres-serve ({request.module.__name__}) healthy after {proc.startup_seconds:.1f} s")

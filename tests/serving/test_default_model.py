@@ -243,7 +243,8 @@ def test_serve_argv_serves_the_built_default(built, monkeypatch, capsys):
                         functools.partial(ensure_default_model, depth_parameters=NO_DEPTH))
     argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
     grace = ["--shutdown-timeout", cli.SHUTDOWN_TIMEOUT]
-    always = ["--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint"]
+    always = ["--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint", "--worker-extension-cls",
+              cli.WORKER_EXTENSION]
     assert argv == ["serve", str(path), "--port", "9000", "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
                     *grace, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES,
                     "--compilation-config", cli.DEFAULT_COMPILATION, *always]

@@ -83,7 +83,8 @@ def test_model_declares_pipeline_parallel_and_lora():
 # SIGTERM with requests in flight: vLLM 0.32's own default (0) hangs the server (test_server_robustness.py).
 GRACE = ["--shutdown-timeout", "8"]
 # Always: the API key on every route (serving/auth.py) and the tokenizer endpoint clients look for.
-ALWAYS = ["--middleware", "attnres.serving.auth.RequireAPIKey", "--enable-tokenizer-info-endpoint"]
+ALWAYS = ["--middleware", "attnres.serving.auth.RequireAPIKey", "--enable-tokenizer-info-endpoint",
+          "--worker-extension-cls", "attnres.serving.weights.AttnResWeightUpdates"]
 
 
 def test_serve_argv_adds_the_pipeline_worker_only_where_needed():
@@ -120,7 +121,7 @@ def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
 
 def test_serve_argv_respects_given_options():
     given = ["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M", "--shutdown-timeout", "2",
-             "--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint"]
+             "--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint", "--worker-extension-cls", "x.Y"]
     assert cli.serve_argv(given, cpu=True, env={}) == ["serve", *given]
     argv = cli.serve_argv(["--model", "m"], cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     assert argv == ["serve", "--model", "m", "--host", "127.0.0.1", *GRACE, *ALWAYS]

@@ -1,0 +1,189 @@
+"""Weight updates into a running vLLM engine, as RL trainers push them after every step.
+
+    llm = vllm.LLM(model=path, worker_extension_cls=WORKER_EXTENSION)     # attnres-serve adds it itself
+    update_weights(llm, [("model.layers.0.self_attn.q_proj.weight", q), ...])
+
+`update_weights` sends transformers-named tensors (any subset, one or many per call) to every worker
+(`collective_rpc`), where `AttnResWeightUpdates.attnres_update_weights`:
+
+1. checks every name, shape and dtype against the checkpoint format (`check_update`): an unknown name,
+   a wrong shape or a non-float dtype is a `ValueError` naming it, raised before anything is touched;
+2. completes the update module by module (`complete_update`): vLLM's in-place reload processes a
+   module only once every tensor of it has arrived, so a part of a fused module (`q_proj` of
+   `qkv_proj`) or a weight without its bias is sent together with the module's other tensors as they
+   are now, read back from the engine (under tensor parallelism gathered from every rank);
+3. runs vLLM's own in-place reload (`model_runner.reload_weights`), which restores the CPU backend's
+   repacked linear weights around `AttnResForCausalLM.load_weights` and repacks them afterwards (and
+   repacks a tied LM head after an embedding update, which the reload does not reach).
+
+A linear weight the CPU backend has repacked away is read back by applying the layer to an identity
+matrix: each output element is one weight times 1 plus zeros, so the weight comes back exactly.
+"""
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+WORKER_EXTENSION = f"{__name__}.AttnResWeightUpdates"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def as_tensor(value) -> torch.Tensor:
+    """A tensor, or nested lists of numbers (what a JSON request carries), as a CPU tensor."""
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32)
+
+
+def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse, naming each, unknown checkpoint names, shapes other than the checkpoint's and non-float
+    dtypes; a quantized model is refused as a whole (its weights cannot be read back exactly)."""
+    if model.quant_config is not None:
+        raise ValueError(f"weight updates into a quantized model ({type(model.quant_config).__name__}) are not "
+                         "supported: update the unquantized model and quantize it again.")
+    if not hasattr(model, "all_checkpoint_shapes"):
+        model.all_checkpoint_shapes = checkpoint_shapes(model.config)
+    shapes, problems = model.all_checkpoint_shapes, []
+    for name, tensor in weights:
+        key = model.resolve_checkpoint_key(name)
+        expected = shapes.get(key)
+        if expected is None:
+            problems.append(f"{name}: not a parameter of this model")
+        elif tuple(tensor.shape) != expected:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, the checkpoint's is {expected}")
+        elif tensor.dtype not in FLOAT_DTYPES:
+            problems.append(f"{name}: dtype {tensor.dtype}, expected one of float32, bfloat16, float16")
+    if problems:
+        raise ValueError(f"The weight update was refused, nothing was changed ({len(problems)} problem(s)):\n  "
+                         + "\n  ".join(problems) + "\nSend transformers checkpoint names (model.layers.0.self_attn."
+                         "q_proj.weight, ...) with the shapes of the model's config.json.")
+
+
+def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint key of the whole model (all pipeline ranks) and its shape: the transformers
+    model's own state dict, built on the meta device (a tied `lm_head` left out)."""
+    from modeling_attnres import AttnResForCausalLM
+
+    with torch.device("meta"):
+        model = AttnResForCausalLM(config)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    return {key: tuple(t.shape) for key, t in model.state_dict().items() if key not in tied}
+
+
+def complete_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The update plus, for every module it touches on this rank, that module's other checkpoint
+    tensors as they are now (full, unsharded), so that vLLM's reload processes each module whole."""
+    by_key = {model.resolve_checkpoint_key(name): tensor for name, tensor in weights}
+    modules = module_keys(model)
+    completed = dict(by_key)
+    for module, keys in modules.items():
+        if any(key in by_key for key in keys):
+            for key in keys:
+                if key not in completed:
+                    completed[key] = current_tensor(model, key)
+    return list(completed.items())
+
+
+def module_keys(model: nn.Module) -> dict[str, list[str]]:
+    """vLLM module name -> the checkpoint keys it loads from (on this rank), in a fixed order."""
+    modules = defaultdict(list)
+    for key in sorted(model.checkpoint_keys()):
+        target, _ = model.checkpoint_target(key)
+        if target is not None:
+            modules[target.rsplit(".", 1)[0]].append(key)
+    return dict(modules)
+
+
+def current_tensor(model: nn.Module, key: str) -> torch.Tensor:
+    """The current value of checkpoint tensor `key`, in the checkpoint's layout (full, unsharded)."""
+    target, shard = model.checkpoint_target(key)
+    module_name, leaf = target.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    local = local_tensor(module, leaf)
+    if shard is not None:                                              # a part of a fused module, this rank's
+        sizes = [size // module.tp_size for size in module.output_sizes] if hasattr(module, "tp_size") else \
+            list(module.output_sizes)
+        index = shard if isinstance(shard, int) else "qkv".index(shard)
+        local = local.split(sizes, dim=0)[index]
+    return gather(module, leaf, local, shard)
+
+
+def local_tensor(module: nn.Module, leaf: str) -> torch.Tensor:
+    """This rank's `module.<leaf>` in checkpoint layout, read back through an identity matrix where the
+    CPU backend has repacked the weight away."""
+    param = getattr(module, leaf)
+    if leaf != "weight" or (param.numel() > 0 and not param.is_meta):
+        return param.detach().to(getattr(module, "params_dtype", param.dtype)).clone()
+    eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype, device=param.device)
+    return module.quant_method.apply(module, eye, bias=None).t().contiguous()
+
+
+def split_dim(module: nn.Module, leaf: str) -> int | None:
+    """The dim along which tensor parallelism splits `module.<leaf>` (`None`: replicated)."""
+    if isinstance(module, RowParallelLinear):
+        return 1 if leaf == "weight" else None                         # the bias is added after the reduce
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return 0
+    return None
+
+
+def gather(module: nn.Module, leaf: str, local: torch.Tensor, shard) -> torch.Tensor:
+    """The full tensor of this rank's part: concatenated over the tensor-parallel ranks along the dim the
+    layer splits (replicated KV heads taken once); the vocabulary's padding cut off."""
+    tp, dim = get_tensor_model_parallel_world_size(), split_dim(module, leaf)
+    full = local
+    if tp > 1 and dim is not None and getattr(module, "tp_size", tp) > 1:
+        parts = get_tp_group().all_gather(local.contiguous(), dim=dim).chunk(tp, dim=dim)
+        replicas = getattr(module, "num_kv_head_replicas", 1) if shard in ("k", "v") else 1
+        full = torch.cat(parts[::replicas], dim=dim)
+    vocab = getattr(module, "org_vocab_size", None)
+    return full[:vocab] if vocab is not None else full
+
+
+class AttnResWeightUpdates:
+    """A vLLM worker extension (`worker_extension_cls=WORKER_EXTENSION`): checked, in-place, partial
+    weight updates for the AttnRes model (see the module docstring). Called on every worker through
+    `collective_rpc("attnres_update_weights", args=(weights,))`."""
+
+    def attnres_update_weights(self, weights: Iterable[tuple[str, object]] | str) -> list[str]:
+        """Update the named tensors in place; returns the checkpoint names updated. `weights` may also be
+        a JSON string of `[name, nested list]` pairs (what vLLM's `/collective_rpc` route passes on)."""
+        model = self.model_runner.get_model()
+        weights = json.loads(weights) if isinstance(weights, str) else weights
+        named = [(str(name), as_tensor(value)) for name, value in weights]
+        check_update(model, named)
+        self.model_runner.reload_weights(weights_iterator=complete_update(model, named))
+        keys = sorted(model.resolve_checkpoint_key(name) for name, _ in named)
+        refresh_tied_head(model, keys)
+        return keys
+
+    def attnres_update_weights_from_file(self, path: str) -> list[str]:
+        """`attnres_update_weights` with the tensors of a safetensors file (how an update of any size
+        reaches a server: `POST /collective_rpc {"method": "attnres_update_weights_from_file", "args":
+        [PATH]}` with `VLLM_SERVER_DEV_MODE=1`)."""
+        from safetensors.torch import load_file
+
+        return self.attnres_update_weights(list(load_file(path).items()))
+
+
+def refresh_tied_head(model: nn.Module, keys: list[str]) -> None:
+    """A tied LM head reads the embedding matrix through a kernel handle packed from it (on CPUs) when
+    the model was loaded; the reload refreshes the embedding's own module only, so the head's handle is
+    rebuilt here from the updated matrix."""
+    head = getattr(model, "lm_head", None)
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in keys and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def update_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Update an offline `vllm.LLM` (made with `worker_extension_cls=WORKER_EXTENSION`) in place and drop
+    its prefix cache, whose entries were computed with the old weights."""
+    llm.collective_rpc("attnres_update_weights", args=(list(weights),))
+    llm.reset_prefix_cache()
+
+
+__all__ = ["WORKER_EXTENSION", "AttnResWeightUpdates", "check_update", "complete_update", "update_weights"]

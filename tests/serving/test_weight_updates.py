@@ -1,0 +1,126 @@
+"""Weight updates into a running engine, as an RL trainer pushes them (`attnres.serving.weights`): one
+tensor per call, a pseudo-query, a part of a fused q/k/v and gate/up, a weight of a layer with a bias,
+a norm and the tied embedding; before the updates vLLM equals transformers on the old weights, after
+them on the updated ones (greedy tokens and top-5 logprobs, the parity rule). Bad updates are refused
+with the names and leave the weights as they were. Offline (`vllm.LLM`) and through `attnres-serve`'s
+`/collective_rpc` (dev mode); under tensor and pipeline parallelism: tests/serving/test_pipeline_parallel.py.
+"""
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from attnres.serving.weights import WORKER_EXTENSION, update_weights
+from tests.support.engines import free_llm, generate, make_llm
+from tests.support.parity import PROMPTS, assert_matches, reference
+from tests.support.reference import load_hf
+
+STEPS = 8
+# One of each kind the checkpoint format has; layer 1 is a second pipeline stage's under PP=2.
+UPDATED = ["model.layers.1.mlp_res_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+           "model.layers.1.self_attn.v_proj.bias", "model.layers.0.mlp.up_proj.weight",
+           "model.layers.1.self_attn.o_proj.weight", "model.layers.0.input_layernorm.weight",
+           "model.output_attn_res_norm.weight", "model.embed_tokens.weight"]
+
+
+def updated_copy(src, dst, names, seed=0):
+    """`src` with the `names` tensors changed (random, of the same scale), saved to `dst`; the changes."""
+    shutil.copytree(src, dst)
+    weights, gen = load_file(src / "model.safetensors"), torch.Generator().manual_seed(seed)
+    changes = {}
+    for name in names:
+        old = weights[name]
+        noise = torch.randn(old.shape, generator=gen).to(old.dtype)
+        changes[name] = old + 0.3 * old.float().std().clamp(min=0.1) * noise
+    save_file({**weights, **changes}, dst / "model.safetensors", metadata={"format": "pt"})
+    return changes
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints, tmp_path_factory):
+    base = checkpoints("weight-updates", seed=17, attention_bias=True, tie_word_embeddings=True)
+    new = tmp_path_factory.mktemp("updated") / "model"
+    changes = updated_copy(base, new, UPDATED)
+    return base, new, changes
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_takes_partial_updates_one_tensor_per_call(models):
+    base, new, changes = models
+    before, after = reference(load_hf(base), PROMPTS, STEPS), reference(load_hf(new), PROMPTS, STEPS)
+    assert [r.tokens for r in before] != [r.tokens for r in after], "the update changes nothing: nothing tested"
+    llm = make_llm(base, enforce_eager=True, worker_extension_cls=WORKER_EXTENSION)
+    try:
+        assert_matches("before the update", generate(llm, PROMPTS, STEPS, logprobs=5), before)
+        for name, tensor in changes.items():
+            update_weights(llm, [(name, tensor)])
+        assert_matches("after the update", generate(llm, PROMPTS, STEPS, logprobs=5), after)
+        bad = [([("model.layers.0.no_such.weight", torch.zeros(3))], "model.layers.0.no_such.weight: not a parameter"),
+               ([("model.norm.weight", torch.zeros(5))], "model.norm.weight: shape (5,), the checkpoint's is (64,)"),
+               ([("model.norm.weight", torch.zeros(64, dtype=torch.int64))], "dtype torch.int64")]
+        for update, message in bad:
+            with pytest.raises(Exception, match="nothing was changed") as err:
+                update_weights(llm, update)
+            assert message in str(err.value), str(err.value)
+        assert_matches("after refused updates", generate(llm, PROMPTS, STEPS, logprobs=5), after)
+    finally:
+        free_llm(llm)
+
+
+# The module's server (tests/serving/conftest.py): the same base checkpoint, dev mode for /collective_rpc.
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def server_args(request) -> list[str]:
+    """The `server` fixture's arguments (the checkpoint is made by a fixture, so not a constant)."""
+    base = request.getfixturevalue("models")[0]
+    return [str(base), "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-bytes", "64M",
+            "--enforce-eager", "--seed", "0"]
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict | str]:
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = response.read().decode()
+            return response.status, json.loads(text) if text else {}
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def served(server) -> list[tuple[list[int], list[dict]]]:
+    """Greedy completions of the token-id prompts with top-5 logprobs, through the OpenAI route."""
+    status, answer = post(server, "/v1/completions", dict(model=server.args[0], prompt=PROMPTS, max_tokens=STEPS,
+                                                            temperature=0.0, logprobs=5, ignore_eos=True,
+                                                            return_tokens_as_token_ids=True))
+    assert status == 200, answer
+    def ids(tokens):
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+
+    return [(ids(c["logprobs"]["tokens"]), [dict(zip(ids(step), step.values())) for step in c["logprobs"][
+        "top_logprobs"]]) for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.timeout(600)
+def test_a_server_takes_partial_updates_through_collective_rpc(models, server, tmp_path):
+    base, new, changes = models
+    before, after = reference(load_hf(base), PROMPTS, STEPS), reference(load_hf(new), PROMPTS, STEPS)
+    assert_matches("server before the update", served(server), before)
+    for i, (name, tensor) in enumerate(changes.items()):
+        save_file({name: tensor.contiguous()}, tmp_path / f"{i}.safetensors")
+        status, answer = post(server, "/collective_rpc", {"method": "attnres_update_weights_from_file",
+                                                           "args": [str(tmp_path / f"{i}.safetensors")]})
+        assert status == 200 and answer["results"] == [[name]], answer
+    assert post(server, "/reset_prefix_cache", {})[0] == 200
+    assert_matches("server after the update", served(server), after)
+    save_file({"model.norm.weight": torch.zeros(5)}, tmp_path / "bad.safetensors")
+    status, answer = post(server, "/collective_rpc", {"method": "attnres_update_weights_from_file",
+                                                       "args": [str(tmp_path / "bad.safetensors")]})
+    assert status >= 400 and "shape (5,), the checkpoint's is (64,)" in answer, (status, answer)
+    assert_matches("server after a refused update", served(server), after)
