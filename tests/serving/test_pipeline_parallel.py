@@ -36,6 +36,16 @@ def test_pipeline_parallel_2_equals_one_rank(multirank, name):
                 assert abs(lps[token] - want[token]) <= LOGPROB_ATOL, (name, i, step, token)
 
 
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_a_weight_update_reaches_both_pipeline_stages(multirank):
+    """Tensors of both stages (layers 0-2 and 3-4), the embedding and the head, one per call into the
+    running PP=2 engine (`attnres.serving.weights`): the engine then equals transformers on the updated
+    checkpoint."""
+    results, paths = multirank
+    assert_matches("block-pp2-off-updated", outputs(results, "block-pp2-off-updated"),
+                   reference(paths["block-updated"]))
+
+
 @pytest.mark.parametrize("mode, start_layer, stored, bank, sources_dtype", [
     ("block", 2, 1, "float32", torch.float32), ("block", 3, 2, "float32", torch.float32),
     ("full", 2, 4, "float32", torch.float32), ("block", 3, 2, "auto", torch.bfloat16)])

@@ -18,3 +18,13 @@ def test_tensor_parallel_2_matches_transformers_and_one_rank(multirank):
     got = outputs(results, "block-tp2")
     assert_matches("block-tp2", got, reference(paths["block"]), TP_ATOL)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in outputs(results, "block-1rank")]
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_a_weight_update_reaches_every_tensor_parallel_shard(multirank):
+    """A fused part (k of q/k/v), gate of gate/up, a norm, a pseudo-query, the embedding and the head, one
+    per call into the running TP=2 engine: every shard is updated (and the rest of each fused module kept,
+    read back from both ranks)."""
+    results, paths = multirank
+    assert_matches("block-tp2-updated", outputs(results, "block-tp2-updated"), reference(paths["block-updated"]),
+                   TP_ATOL)

@@ -7,16 +7,16 @@ with the names and leave the weights as they were. Offline (`vllm.LLM`) and thro
 """
 
 import json
-import shutil
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from attnres.serving.weights import WORKER_EXTENSION, update_weights
 from tests.support.engines import free_llm, generate, make_llm
+from tests.support.models import perturbed_copy
 from tests.support.parity import PROMPTS, assert_matches, reference
 from tests.support.reference import load_hf
 
@@ -28,24 +28,11 @@ UPDATED = ["model.layers.1.mlp_res_proj.weight", "model.layers.0.self_attn.q_pro
            "model.output_attn_res_norm.weight", "model.embed_tokens.weight"]
 
 
-def updated_copy(src, dst, names, seed=0):
-    """`src` with the `names` tensors changed (random, of the same scale), saved to `dst`; the changes."""
-    shutil.copytree(src, dst)
-    weights, gen = load_file(src / "model.safetensors"), torch.Generator().manual_seed(seed)
-    changes = {}
-    for name in names:
-        old = weights[name]
-        noise = torch.randn(old.shape, generator=gen).to(old.dtype)
-        changes[name] = old + 0.3 * old.float().std().clamp(min=0.1) * noise
-    save_file({**weights, **changes}, dst / "model.safetensors", metadata={"format": "pt"})
-    return changes
-
-
 @pytest.fixture(scope="module")
 def models(checkpoints, tmp_path_factory):
     base = checkpoints("weight-updates", seed=17, attention_bias=True, tie_word_embeddings=True)
     new = tmp_path_factory.mktemp("updated") / "model"
-    changes = updated_copy(base, new, UPDATED)
+    changes = perturbed_copy(base, new, UPDATED)
     return base, new, changes
 
 

@@ -1,6 +1,9 @@
 """Tiny AttnRes configs and models made in code for the tests (nothing is downloaded)."""
 
+import shutil
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 
@@ -55,3 +58,17 @@ def oracle_state_dict(model: torch.nn.Module, dtype=torch.float64) -> dict[str, 
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def perturbed_copy(src, dst, names, seed=0) -> dict:
+    """A checkpoint folder `src` with the `names` tensors changed (random, 0.3 of their scale), saved to
+    `dst`; returns the changed tensors."""
+    shutil.copytree(src, dst)
+    weights, gen = load_file(src / "model.safetensors"), torch.Generator().manual_seed(seed)
+    changes = {}
+    for name in names:
+        old = weights[name]
+        noise = torch.randn(old.shape, generator=gen).to(old.dtype)
+        changes[name] = old + 0.3 * old.float().std().clamp(min=0.1) * noise
+    save_file({**weights, **changes}, dst / "model.safetensors", metadata={"format": "pt"})
+    return changes

@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from tests.support.models import perturbed_copy
 from tests.support.parity import PROMPTS, Reference
 from tests.support.parity import reference as parity_reference
 from tests.support.processes import stop_group
@@ -49,6 +51,12 @@ ENGINES = {   # name -> (checkpoint, engine kwargs, VLLM_PP_LAYER_PARTITION or N
     "block-pp2-off": ("block", dict(pipeline_parallel_size=2), "3,2"),
     "block-tp2": ("block", dict(tensor_parallel_size=2), None),
 }
+# These engines also take a weight update after generating (tensors of every rank: both pipeline stages,
+# every tensor-parallel shard, the embedding and the untied head) and generate again as `NAME-updated`.
+UPDATED_ENGINES = ("block-pp2-off", "block-tp2")
+UPDATE = ["model.layers.0.self_attn.k_proj.weight", "model.layers.2.self_attention_res_proj.weight",
+          "model.layers.3.input_layernorm.weight", "model.layers.4.mlp.gate_proj.weight",
+          "model.embed_tokens.weight", "lm_head.weight", "model.output_attn_res_proj.weight"]
 SERVER = ("full-pp2-server", "full")
 ONE_RANK = ("block-1rank", "block")
 SCRIPT_TIMEOUT = 1500
@@ -67,6 +75,9 @@ def write_checkpoints(root: Path) -> dict[str, Path]:
 
     paths = {name: write_tiny_checkpoint(root / name, **fields) for name, fields in CHECKPOINTS.items()}
     paths["llama"] = write_llama_checkpoint(root / "llama", RANDOM_CONFIG, make_tokenizer())
+    changes = perturbed_copy(paths["block"], root / "block-updated", UPDATE)
+    save_file(changes, root / "update.safetensors")
+    paths["block-updated"], paths["update"] = root / "block-updated", root / "update.safetensors"
     return paths
 
 
@@ -137,13 +148,22 @@ def outputs(results: dict, name: str) -> list:
 
 # --- in the subprocess -------------------------------------------------------------------------------
 
-def generate_offline(path: str, kwargs: dict) -> list:
-    """Start an engine, generate greedily for `prompts()` with top-5 logprobs, shut it down."""
+def generate_offline(path: str, kwargs: dict, update: str | None = None) -> list:
+    """Start an engine, generate greedily for `prompts()` with top-5 logprobs, shut it down; with `update`
+    (a safetensors file), also apply it in place and generate again: `[before, after]`."""
+    from safetensors.torch import load_file
+
+    from attnres.serving.weights import WORKER_EXTENSION, update_weights
     from tests.support.engines import free_llm, generate, make_llm
 
-    llm = make_llm(Path(path), enforce_eager=True, **kwargs)
+    llm = make_llm(Path(path), enforce_eager=True, worker_extension_cls=WORKER_EXTENSION, **kwargs)
     try:
-        return generate(llm, prompts(), STEPS, logprobs=5)
+        before = generate(llm, prompts(), STEPS, logprobs=5)
+        if update is None:
+            return before
+        for name, tensor in load_file(update).items():                # one tensor per call
+            update_weights(llm, [(name, tensor)])
+        return [before, generate(llm, prompts(), STEPS, logprobs=5)]
     finally:
         free_llm(llm)
 
@@ -179,7 +199,10 @@ def main(workdir: Path) -> None:
     def record(name: str, run) -> None:
         began = time.monotonic()
         try:
-            done[name] = {"outputs": run(), "seconds": round(time.monotonic() - began, 1)}
+            outputs = run()
+            if name in UPDATED_ENGINES:                                # [before, after] the update
+                outputs, done[f"{name}-updated"] = outputs[0], {"outputs": outputs[1]}
+            done[name] = {"outputs": outputs, "seconds": round(time.monotonic() - began, 1)}
         except Exception as exc:                                       # the others still run
             done[name] = {"error": f"{type(exc).__name__}: {exc}"[-4000:]}
         print(f"=== {name}: {done[name].get('seconds', 'FAILED')}", flush=True)
@@ -192,8 +215,9 @@ def main(workdir: Path) -> None:
         if partition:
             os.environ["VLLM_PP_LAYER_PARTITION"] = partition
         extra = {"worker_cls": PP_WORKER} if kwargs.get("pipeline_parallel_size", 1) > 1 else {}
-        record(name, lambda: generate_offline(paths[checkpoint], dict(distributed_executor_backend="mp",
-                                                                      **kwargs, **extra)))
+        engine = dict(distributed_executor_backend="mp", **kwargs, **extra)
+        update = paths["update"] if name in UPDATED_ENGINES else None
+        record(name, lambda: generate_offline(paths[checkpoint], engine, update))
     os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
     record(SERVER[0], lambda: generate_server(paths[SERVER[1]], workdir))
     record(ONE_RANK[0], lambda: generate_offline(paths[ONE_RANK[1]], {}))
