@@ -75,6 +75,26 @@ class AttnResConfig(LlamaConfig):
         (`depth_attention_ops.site_bank`). `"float32"`: always float32 (float64 for float64 models).
         Scores, softmax and the running partial are float32 either way.
 
+    Mixture of experts (the fields of transformers' Qwen2-MoE / Qwen3-MoE configs; dense by default). A
+    sparse layer's MLP sublayer is a routed MoE block, whose output is the sublayer output that the
+    running partial accumulates; depth attention is unchanged.
+
+    num_experts (`int`, defaults to 0):
+        Routed experts per sparse layer; 0 makes every layer dense.
+    num_experts_per_tok (`int`, defaults to 2):
+        Experts each token is routed to (top-k).
+    moe_intermediate_size (`int`, *optional*):
+        Intermediate size of each routed expert (default: `intermediate_size`).
+    norm_topk_prob (`bool`, defaults to `True`):
+        Renormalise the top-k routing weights to sum to 1 (Mixtral always does; Qwen3-MoE checkpoints say).
+    decoder_sparse_step (`int`, defaults to 1), mlp_only_layers (`list[int]`, *optional*):
+        Layer `l` is sparse when `(l + 1) % decoder_sparse_step == 0` and `l` is not in `mlp_only_layers`.
+    shared_expert_intermediate_size (`int`, defaults to 0):
+        Qwen2-MoE's shared expert (a gated MLP every token passes through, scaled by a sigmoid gate); 0: none.
+    router_aux_loss_coef (`float`, defaults to 0.001), output_router_logits (`bool`, defaults to `False`):
+        The load-balancing loss, returned (and added to the loss) as Qwen3-MoE does when router logits
+        are output.
+
     ```python
     >>> from modeling_attnres import AttnResConfig, AttnResForCausalLM
     >>> config = AttnResConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=8,
@@ -96,6 +116,21 @@ class AttnResConfig(LlamaConfig):
     attn_res_mode: str = "block"
     attn_res_block_size: int = 2
     attn_res_bank_dtype: str = "auto"
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] | None = None
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        self.mlp_only_layers = [] if self.mlp_only_layers is None else list(self.mlp_only_layers)
+        super().__post_init__(**kwargs)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -147,6 +182,43 @@ class AttnResConfig(LlamaConfig):
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"AttnResConfig.head_dim must be even for rotary embeddings, got {self.head_dim}.")
+
+    def validate_experts(self):
+        """The mixture-of-experts fields; runs on construction and load."""
+        if self.num_experts == 0:
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+                raise ValueError(f"AttnResConfig.{name} must be a positive integer, got {value!r} (num_experts="
+                                 f"{self.num_experts}; set num_experts=0 for a dense model).")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"AttnResConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                             f"num_experts ({self.num_experts}): each token is routed to that many distinct experts.")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("AttnResConfig.shared_expert_intermediate_size must be >= 0 (0: no shared expert), got "
+                             f"{self.shared_expert_intermediate_size}.")
+        outside = [l for l in self.mlp_only_layers if not 0 <= l < self.num_hidden_layers]
+        if outside:
+            raise ValueError(f"AttnResConfig.mlp_only_layers names layers {outside} outside "
+                             f"0..{self.num_hidden_layers - 1}.")
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise ValueError(f"AttnResConfig.router_aux_loss_coef must be a finite number >= 0, got "
+                             f"{self.router_aux_loss_coef!r}.")
+        if not self.sparse_layers:
+            raise ValueError(f"AttnResConfig.num_experts is {self.num_experts} but no layer is sparse "
+                             f"(decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
+                             f"{self.mlp_only_layers}); set num_experts=0 for a dense model.")
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s MLP is a mixture of experts (the rule of Qwen2/Qwen3-MoE)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        """The indices of the layers whose MLP is a mixture of experts."""
+        return [l for l in range(self.num_hidden_layers) if self.is_sparse_layer(l)]
 
     def validate_attn_res(self):
         """The depth-attention fields; runs on construction and load."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -29,7 +30,18 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
+from transformers.models.qwen2_moe.modeling_qwen2_moe import (
+    Qwen2MoeExperts,
+    Qwen2MoeSparseMoeBlock,
+    Qwen2MoeTopKRouter,
+)
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeExperts,
+    Qwen3MoeSparseMoeBlock,
+    Qwen3MoeTopKRouter,
+    load_balancing_loss_func,
+)
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
@@ -58,6 +70,29 @@ class AttnResRotaryEmbedding(LlamaRotaryEmbedding):
 
 class AttnResMLP(LlamaMLP):
     """Llama's gated MLP."""
+
+
+class AttnResSparseMoeBlock(Qwen3MoeSparseMoeBlock):
+    """A mixture-of-experts MLP: Qwen3-MoE's top-k router and routed experts (transformers' 3D expert
+    tensors, so its experts implementations, `device_map` and tensor-parallel plans apply)."""
+
+
+class AttnResSharedExpertMoeBlock(Qwen2MoeSparseMoeBlock):
+    """A mixture-of-experts MLP with Qwen2-MoE's shared expert (a gated MLP every token passes through,
+    scaled by a sigmoid gate) next to the routed experts."""
+
+
+def make_mlp(config: AttnResConfig, layer_idx: int) -> nn.Module:
+    """The MLP sublayer of layer `layer_idx`: a mixture of experts on sparse layers, else Llama's MLP."""
+    if not config.is_sparse_layer(layer_idx):
+        return AttnResMLP(config)
+    block = AttnResSharedExpertMoeBlock if config.shared_expert_intermediate_size else AttnResSparseMoeBlock
+    return block(config)
+
+
+# On disk (and for vLLM) experts are stored one tensor per expert and projection, as transformers saves
+# Qwen2/Qwen3-MoE; in memory they are transformers' stacked 3D tensors. Registered as Qwen2-MoE's mapping.
+register_checkpoint_conversion_mapping("attnres", get_checkpoint_conversion_mapping("qwen2_moe"), overwrite=True)
 
 
 class AttnResPseudoQuery(nn.Module):
@@ -96,14 +131,16 @@ def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config
 
 def implied_shape(key: str, config: AttnResConfig) -> tuple[int, ...] | None:
     """The shape `config` implies for checkpoint tensor `key` (`None` for a name it does not know)."""
-    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    d, hd = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    inter = (config.moe_intermediate_size if ".experts." in key else
+             config.shared_expert_intermediate_size if ".shared_expert." in key else config.intermediate_size)
     by_suffix = {"embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
                  "q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d), "o_proj.weight": (d, q),
                  "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (d,),
                  "q_norm.weight": (hd,), "k_norm.weight": (hd,), "gate_proj.weight": (inter, d),
                  "up_proj.weight": (inter, d), "down_proj.weight": (d, inter), "_res_proj.weight": (1, d),
-                 "norm.weight": (d,)}
+                 "mlp.gate.weight": (config.num_experts, d), "shared_expert_gate.weight": (1, d), "norm.weight": (d,)}
     return next((shape for suffix, shape in by_suffix.items() if key.endswith(suffix)), None)
 
 
@@ -150,7 +187,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         attention_cls = Qwen3Attention if config.qk_norm else LlamaAttention
         self.self_attn = attention_cls(config=config, layer_idx=layer_idx)
-        self.mlp = AttnResMLP(config)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attention_res_proj = AttnResPseudoQuery(config.hidden_size)
@@ -210,6 +247,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         "attentions": [LlamaAttention, Qwen3Attention],
         # Every site in order: attention and MLP site of each layer, then the output site.
         "depth_attentions": OutputRecorder(AttnResDepthMix, index=1),
+        "router_logits": [OutputRecorder(Qwen3MoeTopKRouter, index=0), OutputRecorder(Qwen2MoeTopKRouter, index=0)],
     }
 
     @classmethod
@@ -250,22 +288,34 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # Pseudo-queries start at zero (uniform mixing at step 0); the generic Linear init would not.
         if isinstance(module, AttnResPseudoQuery):
             init.zeros_(module.weight)
-        else:
-            super()._init_weights(module)
+            return
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Qwen3MoeExperts | Qwen2MoeExperts):         # 3D expert tensors
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, Qwen3MoeTopKRouter | Qwen2MoeTopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
 
 
 @dataclass
 class AttnResModelOutputWithPast(BaseModelOutputWithPast):
     """`BaseModelOutputWithPast` plus `depth_attentions`: one `[batch, seq, num_sources]` tensor per
-    site (attention and MLP of every layer, then the output site), when `output_depth_attentions=True`."""
+    site (attention and MLP of every layer, then the output site), when `output_depth_attentions=True`;
+    and, for mixtures of experts, `router_logits` (one `[tokens, num_experts]` per sparse layer) when
+    `output_router_logits=True`."""
 
     depth_attentions: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class AttnResCausalLMOutputWithPast(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus `depth_attentions` (see `AttnResModelOutputWithPast`)."""
+    """`CausalLMOutputWithPast` plus `depth_attentions`, `router_logits` (see `AttnResModelOutputWithPast`)
+    and `aux_loss`, the routers' load-balancing loss, as Qwen3-MoE returns it."""
 
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
     depth_attentions: tuple[torch.Tensor, ...] | None = None
 
 
@@ -391,10 +441,16 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> AttnResCausalLMOutputWithPast:
-        """Same contract as `LlamaForCausalLM.forward`; `output_depth_attentions=True` adds the depth weights."""
+        """Same contract as `LlamaForCausalLM.forward` (and, for mixtures of experts, as
+        `Qwen3MoeForCausalLM.forward`: `output_router_logits=True` returns the router logits and the
+        load-balancing `aux_loss`, added to the loss with `router_aux_loss_coef`);
+        `output_depth_attentions=True` adds the depth weights."""
+        output_router_logits = bool(output_router_logits if output_router_logits is not None
+                                    else self.config.output_router_logits) and self.config.num_experts > 0
         outputs: AttnResModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -402,21 +458,29 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_router_logits=output_router_logits,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, slice_indices, :])
 
-        loss = None
+        loss = aux_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if output_router_logits:
+            aux_loss = load_balancing_loss_func(outputs.router_logits, self.config.num_experts,
+                                                self.config.num_experts_per_tok, attention_mask)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return AttnResCausalLMOutputWithPast(
             loss=loss,
+            aux_loss=aux_loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
             depth_attentions=outputs.depth_attentions,
         )
 

@@ -4,37 +4,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import torch
 
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
-from tests.support.models import tiny_model
-
-LOAD_WITHOUT_PACKAGE = textwrap.dedent(
-    """
-    import sys
-    sys.modules["modeling_attnres"] = None          # the package is not importable here
-    try:
-        import modeling_attnres
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("modeling_attnres is importable: the test would prove nothing")
-    import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    path, ids_path, out_path, threads = sys.argv[1:5]
-    torch.set_num_threads(int(threads))             # same reduction order as the parent: exact logits
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    assert type(config).__module__.startswith("transformers_modules"), type(config).__module__
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, attn_implementation="eager").eval()
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    assert type(AutoModel.from_pretrained(path, trust_remote_code=True)).__name__ == "AttnResModel"
-    ids = torch.load(ids_path)
-    with torch.no_grad():
-        torch.save(model(ids).logits, out_path)
-    """
-)
+from tests.support.models import LOAD_WITHOUT_PACKAGE, tiny_model
 
 
 def test_saved_folder_carries_remote_code(tmp_path):

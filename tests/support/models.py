@@ -1,6 +1,7 @@
 """Tiny AttnRes configs and models made in code for the tests (nothing is downloaded)."""
 
 import shutil
+import textwrap
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -72,3 +73,31 @@ def perturbed_copy(src, dst, names, seed=0) -> dict:
         changes[name] = old + 0.3 * old.float().std().clamp(min=0.1) * noise
     save_file({**weights, **changes}, dst / "model.safetensors", metadata={"format": "pt"})
     return changes
+
+
+# A child script: load a saved folder with `trust_remote_code=True` where `modeling_attnres` cannot be
+# imported, and save its logits for `ids` (argv: folder, ids file, output file, torch threads).
+LOAD_WITHOUT_PACKAGE = textwrap.dedent(
+    """
+    import sys
+    sys.modules["modeling_attnres"] = None          # the package is not importable here
+    try:
+        import modeling_attnres
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("modeling_attnres is importable: the test would prove nothing")
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    path, ids_path, out_path, threads = sys.argv[1:5]
+    torch.set_num_threads(int(threads))             # same reduction order as the parent: exact logits
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert type(config).__module__.startswith("transformers_modules"), type(config).__module__
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, attn_implementation="eager").eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    assert type(AutoModel.from_pretrained(path, trust_remote_code=True)).__name__ == "AttnResModel"
+    ids = torch.load(ids_path)
+    with torch.no_grad():
+        torch.save(model(ids).logits, out_path)
+    """
+)
