@@ -34,7 +34,10 @@ def _config_lines(result: ConversionResult) -> list[str]:
               f"Block AttnRes, {cfg.attn_res_block_size} layer(s) per block "
               f"({cfg.num_depth_sources - 1} blocks over {cfg.num_hidden_layers} layers)")
     source = f"- source: `{result.src}` ({result.layout}" + (f"; {result.origin})" if result.origin else ")")
-    lines = [source, f"- depth attention: {blocks}",
+    experts = (f"- mixture of experts: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, on layers "
+               f"{cfg.sparse_layers}" + (f", shared expert of {cfg.shared_expert_intermediate_size}"
+                                         if cfg.shared_expert_intermediate_size else "") if cfg.num_experts else None)
+    lines = [source, f"- depth attention: {blocks}", *([experts] if experts else []),
              f"- dtype: {str(result.dtype).removeprefix('torch.')}", f"- rms_norm_eps: {cfg.rms_norm_eps:g}",
              f"- kept from the source: {', '.join(f'`{n}`' for n in result.copied_files) or 'nothing'}"]
     if result.layout != "attnres":

@@ -30,7 +30,7 @@ from .checkpoint_io import (
 from .datatypes import DTYPES, ConversionResult, ConvertOptions, Plan, VerifyReport
 from .errors import ConversionError, UsageError
 from .gguf_source import dequantised_folder, find_gguf
-from .keymap import TensorSource, TransformContext, apply_key_map, resolve_key_map, target_shapes
+from .keymap import TensorSource, TransformContext, apply_key_map, resolve_key_map, stack_experts, target_shapes
 from .publish import staged_folder
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
 from .standard import (
@@ -184,7 +184,7 @@ def write_model(plan: Plan, out: Path, max_shard_size: str) -> None:
     modeling files). Only the converted tensors are ever materialised."""
     model = meta_model(plan.config)
     tensors = apply_key_map(plan.source, plan.rules, plan.fills, target_shapes(model), plan.ctx, plan.dtype)
-    model.load_state_dict(tensors, strict=False, assign=True)
+    model.load_state_dict(stack_experts(tensors, model), strict=False, assign=True)
     if plan.config.tie_word_embeddings:
         model.tie_weights()
     model.config.dtype = plan.dtype

@@ -81,6 +81,7 @@ class VerifyReport:
     greedy_reference: str
     num_prompts: int
     new_tokens: int
+    routing_agreement: float | None = None   # mixtures of experts: the same experts chosen as the prediction
 
     @property
     def prediction_holds(self) -> bool:
@@ -115,6 +116,9 @@ class VerifyReport:
                 f"greedy generation ({self.new_tokens} tokens) agrees: {'yes' if self.greedy_agree else 'NO'} "
                 f"(with {self.greedy_reference})",
                 f"max |difference| to {self.prediction}: {self.vs_prediction:.3e} ({verdict})",
+                *([] if self.routing_agreement is None else
+                  [f"routing: {100 * self.routing_agreement:.1f}% of (token, sparse layer) pairs choose the experts "
+                   f"{self.prediction} chooses"]),
                 "verdict: " + ("passed" if self.passed else "FAILED")]
 
 

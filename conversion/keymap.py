@@ -108,12 +108,21 @@ FILLERS: dict[str, Callable[[torch.Size, torch.dtype], torch.Tensor]] = {
 }
 
 
+# Placeholders of key patterns: `{i}` a layer index, `{e}` an expert index.
+PLACEHOLDERS = ("i", "e")
+
+
 def _compile(pattern: str) -> re.Pattern:
-    return re.compile(re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + r"\Z")
+    regex = re.escape(pattern)
+    for name in PLACEHOLDERS:
+        regex = regex.replace(rf"\{{{name}\}}", rf"(?P<{name}>\d+)")
+    return re.compile(regex + r"\Z")
 
 
 def _render(pattern: str, match: re.Match) -> str:
-    return pattern.replace("{i}", match.group("i")) if "{i}" in pattern else pattern
+    for name in PLACEHOLDERS:
+        pattern = pattern.replace("{" + name + "}", match.group(name)) if "{" + name + "}" in pattern else pattern
+    return pattern
 
 
 def plan_key_map(source_keys: Iterable[str], rules: Iterable[Rule]) -> dict[str, tuple[str, str]]:
@@ -157,11 +166,43 @@ def _fill_targets(missing: Iterable[str], fills: Iterable[Fill]) -> dict[str, st
 
 
 def target_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
-    """Shape of every tensor a checkpoint of `model` must provide (a tied lm_head is not stored)."""
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    """Shape of every tensor a checkpoint of `model` must provide, in the layout on disk: one tensor per
+    routed expert and projection (transformers keeps them stacked in memory; `unstack_experts`), and no
+    tied lm_head."""
+    shapes = {}
+    for key, tensor in model.state_dict().items():
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            shapes.update({k: torch.Size(v) for k, v in expert_shapes(key, tuple(tensor.shape)).items()})
+        else:
+            shapes[key] = tensor.shape
     if getattr(model.config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def expert_shapes(key: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The per-expert checkpoint keys and shapes of a stacked expert tensor (`[E, 2I, d]` gate/up,
+    `[E, d, I]` down)."""
+    block, kind = key.rsplit(".experts.", 1)
+    experts = shape[0]
+    if kind == "down_proj":
+        return {f"{block}.experts.{e}.down_proj.weight": shape[1:] for e in range(experts)}
+    half = (shape[1] // 2, shape[2])
+    return {f"{block}.experts.{e}.{p}_proj.weight": half for e in range(experts) for p in ("gate", "up")}
+
+
+def stack_experts(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint-layout tensors with each MoE block's per-expert tensors stacked as `model` holds them."""
+    out = dict(tensors)
+    for key, param in model.state_dict().items():
+        if not key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            continue
+        block, kind = key.rsplit(".experts.", 1)
+        parts = [(f"{block}.experts.{e}.down_proj.weight",) if kind == "down_proj" else
+                 (f"{block}.experts.{e}.gate_proj.weight", f"{block}.experts.{e}.up_proj.weight")
+                 for e in range(param.shape[0])]
+        out[key] = torch.stack([torch.cat([out.pop(name) for name in names], dim=0) for names in parts])
+    return out
 
 
 @dataclass

@@ -86,6 +86,11 @@ def read_config(src: Path) -> dict:
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method")
         raise ConversionError(f"{src} is already quantized (quant_method={method!r}); pass the unquantized checkpoint.")
+    if config.get("num_experts"):
+        raise ConversionError(f"{src} is a mixture of experts ({config['num_experts']} experts): attnres-quantize "
+                              "writes W8A8 int8 for dense linear layers only, and vLLM's CPU build has no int8 "
+                              "kernel for fused experts. Serve the unquantized model, or quantize it with a tool "
+                              "that supports MoE (e.g. llm-compressor) on a GPU machine.")
     return config
 
 

@@ -26,7 +26,14 @@ from modeling_attnres import AttnResConfig
 from .errors import ConversionError
 from .keymap import Fill, Rule, TensorSource
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Mixture-of-experts fields: AttnResConfig's names (Qwen2/Qwen3-MoE's) <- the source config's.
+EXPERT_FIELDS = {"num_experts": ("num_experts", "num_local_experts"), "num_experts_per_tok": ("num_experts_per_tok",),
+                 "moe_intermediate_size": ("moe_intermediate_size",), "norm_topk_prob": ("norm_topk_prob",),
+                 "decoder_sparse_step": ("decoder_sparse_step",), "mlp_only_layers": ("mlp_only_layers",),
+                 "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
+                 "router_aux_loss_coef": ("router_aux_loss_coef",), "output_router_logits": ("output_router_logits",)}
 # Rope types whose tables LlamaRotaryEmbedding computes over the full head dimension.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # Fields that mean the same in the source configs and in AttnResConfig (a LlamaConfig).
@@ -37,6 +44,8 @@ SHARED_FIELDS = (
 )
 
 LAYER = "model.layers.{i}"
+EXPERT = f"{LAYER}.mlp.experts.{{e}}"
+MIXTRAL_EXPERT = f"{LAYER}.block_sparse_moe.experts.{{e}}"
 
 
 def same_keys(*keys: str, transform: str = "copy") -> tuple[Rule, ...]:
@@ -58,6 +67,16 @@ STANDARD_RULES = (
     *same_keys("model.norm.weight", transform="unscale_tied_head"),
     *same_keys("lm_head.weight"),
     ROTARY_TABLES,
+    # Mixtures of experts: the router and routed experts (Qwen2/Qwen3-MoE's names, Mixtral's w1/w3/w2 in
+    # `block_sparse_moe`), Qwen2-MoE's shared expert and its gate. Every down projection writes into the
+    # residual stream, so it is scaled like any other.
+    Rule((f"{LAYER}.mlp.gate.weight", f"{LAYER}.block_sparse_moe.gate.weight"), f"{LAYER}.mlp.gate.weight"),
+    Rule((f"{EXPERT}.gate_proj.weight", f"{MIXTRAL_EXPERT}.w1.weight"), f"{EXPERT}.gate_proj.weight"),
+    Rule((f"{EXPERT}.up_proj.weight", f"{MIXTRAL_EXPERT}.w3.weight"), f"{EXPERT}.up_proj.weight"),
+    Rule((f"{EXPERT}.down_proj.weight", f"{MIXTRAL_EXPERT}.w2.weight"), f"{EXPERT}.down_proj.weight", "scale_stream"),
+    *same_keys(f"{LAYER}.mlp.shared_expert.gate_proj.weight", f"{LAYER}.mlp.shared_expert.up_proj.weight",
+               f"{LAYER}.mlp.shared_expert_gate.weight"),
+    *same_keys(f"{LAYER}.mlp.shared_expert.down_proj.weight", transform="scale_stream"),
 )
 
 # Some exports store a tied head anyway; it is dropped once it is checked to equal the embedding.
@@ -107,7 +126,7 @@ def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> i
             f"(sliding_window={getattr(config, 'sliding_window', None)}), expected full attention on every "
             "layer: AttnRes has no sliding-window layers. Convert a checkpoint with use_sliding_window=false."
         )
-    window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    window = getattr(config, "sliding_window", None) if config.model_type in ("mistral", "mixtral") else None
     if window is None or window >= config.max_position_embeddings:
         return None
     if clip_to_window:
@@ -142,9 +161,11 @@ def attnres_config_from_standard(config: PretrainedConfig, *, block_size: int | 
     if window is not None:
         fields["max_position_embeddings"] = window
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    fields["attention_bias"] = {"Qwen2ForCausalLM": True}.get(arch, getattr(config, "attention_bias", False))
+    biased = {"Qwen2ForCausalLM": True, "Qwen2MoeForCausalLM": getattr(config, "qkv_bias", True)}
+    fields["attention_bias"] = biased.get(arch, getattr(config, "attention_bias", False))
     fields["mlp_bias"] = getattr(config, "mlp_bias", False)
-    fields["qk_norm"] = arch == "Qwen3ForCausalLM"
+    fields["qk_norm"] = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    fields.update(expert_fields(config, arch))
     fields["attn_res_mode"] = mode
     fields["attn_res_block_size"] = block_size if block_size is not None else default_block_size(
         config.num_hidden_layers)
@@ -153,6 +174,17 @@ def attnres_config_from_standard(config: PretrainedConfig, *, block_size: int | 
         return AttnResConfig(**fields)
     except (ValueError, TypeError, StrictDataclassError) as err:
         raise ConversionError(f"The converted config is invalid: {err}") from err
+
+
+def expert_fields(config: PretrainedConfig, arch: str) -> dict:
+    """The mixture-of-experts fields of the AttnResConfig that carries `config` (none for a dense model).
+    Mixtral routes every layer's MLP through its experts (of `intermediate_size`) and always
+    renormalises the top-k weights."""
+    fields = {ours: getattr(config, name) for ours, names in EXPERT_FIELDS.items() for name in names
+              if getattr(config, name, None) is not None}
+    if arch == "MixtralForCausalLM":
+        fields.update(moe_intermediate_size=config.intermediate_size, norm_topk_prob=True)
+    return fields if fields.get("num_experts") else {}
 
 
 def standard_rules(config: AttnResConfig, source: TensorSource) -> tuple[Rule, ...]:
@@ -170,7 +202,9 @@ def standard_rules(config: AttnResConfig, source: TensorSource) -> tuple[Rule, .
 
 def standard_fills(config: PretrainedConfig) -> tuple[Fill, ...]:
     """The depth parameters, plus Qwen2's missing o_proj bias."""
-    return DEPTH_FILLS + (QWEN2_FILLS if architecture_of(config) == "Qwen2ForCausalLM" else ())
+    qwen2 = architecture_of(config) == "Qwen2ForCausalLM" or (
+        architecture_of(config) == "Qwen2MoeForCausalLM" and getattr(config, "qkv_bias", True))
+    return DEPTH_FILLS + (QWEN2_FILLS if qwen2 else ())
 
 
 def sources_per_site(config: AttnResConfig) -> list[int]:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 
 from .datatypes import Plan, VerifyReport
-from .keymap import apply_key_map, target_shapes
+from .keymap import apply_key_map, stack_experts, target_shapes
 from .standard import sources_per_site
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Attention residuals let every layer")
@@ -104,17 +104,36 @@ def verify_standard(source: torch.nn.Module, ids: list[torch.Tensor], converted:
     ref_tokens = _greedy(source, ids)
     steps.update(2)
     apply_predicted_eps(source, config, stream_scale)
-    predicted = _logits(source, ids)
+    predicted, predicted_routes = _logits(source, ids), _routes(source, ids, config)
     steps.update(1)
     model = load_source(converted)
     got_logits, got_tokens = _logits(model, ids), _greedy(model, ids)
+    routing = routing_agreement(predicted_routes, _routes(model, ids, config))
     steps.update(2)
     steps.close()
     diff, rel, scale, agree = compare(ref_logits, got_logits)
     greedy = all(torch.equal(a, b) for a, b in zip(ref_tokens, got_tokens))
     return VerifyReport(diff, rel, scale, agree, greedy, compare(predicted, got_logits)[0], reference,
                         _at_precision("the spec's eps prediction", dtype), "the deviation above is the eps effect only",
-                        _at_precision("the source", dtype), len(ids), NEW_TOKENS)
+                        _at_precision("the source", dtype), len(ids), NEW_TOKENS, routing)
+
+
+@torch.no_grad()
+def _routes(model, ids: list[torch.Tensor], config: AttnResConfig) -> list[torch.Tensor] | None:
+    """The experts each token is routed to, per prompt and sparse layer (`[tokens, k]`, sorted), or
+    `None` for a dense model."""
+    if not config.num_experts:
+        return None
+    return [logits.topk(config.num_experts_per_tok, dim=-1).indices.sort(dim=-1).values
+            for x in ids for logits in model(x, output_router_logits=True).router_logits]
+
+
+def routing_agreement(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> float | None:
+    """The fraction of (token, sparse layer) pairs whose chosen experts are the same set in both."""
+    if a is None:
+        return None
+    same = torch.cat([(x == y).all(-1) for x, y in zip(a, b, strict=True)])
+    return float(same.float().mean())
 
 
 def calibrate_stream_scale(source: torch.nn.Module, ids: list[torch.Tensor], config: AttnResConfig,
@@ -142,7 +161,7 @@ def verify_attnres_layout(plan: Plan, converted: Path) -> VerifyReport:
     the output dtype, the source must be reproduced up to float noise."""
     model = AttnResForCausalLM(plan.config).eval()
     tensors = apply_key_map(plan.source, plan.rules, plan.fills, target_shapes(model), plan.ctx, torch.float32)
-    model.load_state_dict(tensors, strict=False)
+    model.load_state_dict(stack_experts(tensors, model), strict=False)
     ids = prompt_ids(None, plan.config.vocab_size)
     ref_logits = _logits(model, ids)
     round_weights(model, plan.dtype)

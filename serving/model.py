@@ -23,6 +23,7 @@ depth history travels in `IntermediateTensors` (see `AttnResModel.make_empty_int
 """
 
 import os
+import re
 from collections.abc import Iterable
 from itertools import islice
 
@@ -36,8 +37,9 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import SupportsLoRA, SupportsPP
+from vllm.model_executor.models.interfaces import MixtureOfExperts, SupportsLoRA, SupportsPP
 from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -66,18 +68,34 @@ HF_TO_VLLM = WeightsMapper(
         ".q_proj": (".qkv_proj", "q"),
         ".k_proj": (".qkv_proj", "k"),
         ".v_proj": (".qkv_proj", "v"),
-        ".gate_proj": (".gate_up_proj", 0),
-        ".up_proj": (".gate_up_proj", 1),
+        ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+        ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+        # A mixture of experts' shared expert; the routed experts (`.experts.E.gate_proj`) are loaded by
+        # vLLM's FusedMoE itself, as in vLLM's qwen3_moe.py.
+        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
     },
 )
+EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight\Z")
 
 
 def packed_modules(mapper: WeightsMapper) -> dict[str, list[str]]:
     """Fused module -> the checkpoint modules stacked into it, from a mapper's stacked table."""
     packed: dict[str, list[str]] = {}
     for source, (fused, _) in mapper.orig_to_new_stacked.items():
-        packed.setdefault(fused.lstrip("."), []).append(source.lstrip("."))
+        sources = packed.setdefault(fused.rsplit(".", 1)[-1], [])
+        if source.rsplit(".", 1)[-1] not in sources:
+            sources.append(source.rsplit(".", 1)[-1])
     return packed
+
+
+def make_mlp(vllm_config: VllmConfig, config: AttnResConfig, layer_idx: int, prefix: str) -> nn.Module:
+    """Layer `layer_idx`'s MLP sublayer: vLLM's Qwen3-MoE block (FusedMoE experts, and Qwen2-MoE's shared
+    expert when the config has one) on sparse layers, vLLM's Llama MLP otherwise."""
+    if config.is_sparse_layer(layer_idx):
+        return Qwen3MoeSparseMoeBlock(vllm_config=vllm_config, prefix=prefix)
+    return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                    quant_config=vllm_config.quant_config, bias=config.mlp_bias, prefix=prefix)
 
 
 class AttnResPseudoQuery(nn.Module):
@@ -141,8 +159,7 @@ class AttnResDecoderLayer(nn.Module):
             cache_config=vllm_config.cache_config,
             prefix=f"{prefix}.self_attn",
         )
-        self.mlp = LlamaMLP(d, config.intermediate_size, config.hidden_act, quant_config=quant_config,
-                            bias=config.mlp_bias, prefix=f"{prefix}.mlp")
+        self.mlp = make_mlp(vllm_config, config, layer_idx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(d, eps=eps)
         self.post_attention_layernorm = RMSNorm(d, eps=eps)
         self.self_attention_res_proj = AttnResPseudoQuery(d)
@@ -280,8 +297,10 @@ def unpack_depth(intermediate_tensors: IntermediateTensors, capacity: int) -> tu
     return DepthBank(bank.storage, bank.inv_storage, num_stored=n), partial
 
 
-class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
-    """AttnRes with vLLM's LM head and logits processor; loads the transformers checkpoints."""
+class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP, MixtureOfExperts):
+    """AttnRes with vLLM's LM head and logits processor; loads the transformers checkpoints. With experts
+    it declares vLLM's `MixtureOfExperts` interface (expert parallelism, EPLB) as vLLM's Qwen3-MoE does;
+    a dense model has no MoE layer, which is what vLLM checks."""
 
     hf_to_vllm_mapper = HF_TO_VLLM
     packed_modules_mapping = packed_modules(HF_TO_VLLM)
@@ -308,6 +327,32 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
         else:
             self.lm_head = PPMissingLayer()
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        self.set_moe_attributes()
+
+    def set_moe_attributes(self) -> None:
+        """`MixtureOfExperts`'s counts, from this rank's sparse layers (none for a dense model)."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(getattr(layer, "mlp", None),
+                                                                        Qwen3MoeSparseMoeBlock)]
+        self.moe_layers = [block.experts for block in blocks]
+        self.num_moe_layers = len(blocks)
+        self.num_expert_groups = 1
+        self.num_shared_experts = int(self.config.shared_expert_intermediate_size > 0)
+        self.num_logical_experts = self.num_routed_experts = self.config.num_experts
+        first = blocks[0] if blocks else None
+        self.num_physical_experts = first.n_physical_experts if first else 0
+        self.num_local_physical_experts = first.n_local_physical_experts if first else 0
+        self.num_redundant_experts = first.n_redundant_experts if first else 0
+
+    def update_physical_experts_metadata(self, num_physical_experts: int, num_local_physical_experts: int) -> None:
+        """EPLB's rebalancing: the new physical expert counts, on every MoE block (as vLLM's Qwen3-MoE)."""
+        self.num_physical_experts, self.num_local_physical_experts = num_physical_experts, num_local_physical_experts
+        self.num_redundant_experts = num_physical_experts - self.num_logical_experts
+        for layer in self.model.layers:
+            if isinstance(getattr(layer, "mlp", None), Qwen3MoeSparseMoeBlock):
+                layer.mlp.n_local_physical_experts = num_local_physical_experts
+                layer.mlp.n_physical_experts = num_physical_experts
+                layer.mlp.n_redundant_experts = self.num_redundant_experts
+                layer.mlp.experts.update_expert_map()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[tokens, d]`."""
@@ -349,7 +394,7 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
                 target = mapper.map_name(name)
                 if target is None or is_pp_missing_parameter(target, self):  # dropped, or another rank's
                     continue
-                if target not in params:
+                if target not in params and not self.is_expert_key(target, params):
                     unexpected.append(name)
                     continue
                 seen.add(renames.map_name(name))
@@ -369,6 +414,13 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
                          len(unexpected), sorted(unexpected))
         self.weights_loaded = True
         return loaded
+
+    def is_expert_key(self, key: str, params: dict) -> bool:
+        """Whether `key` is a routed expert's checkpoint tensor (`...experts.E.gate_proj.weight`) of an MoE
+        block on this rank, with `E` one of the model's experts (vLLM's FusedMoE loads it)."""
+        match = EXPERT_KEY.match(key)
+        return bool(match) and int(match.group(2)) < self.config.num_experts and any(
+            name.startswith(match.group(1) + ".") for name in params)
 
     def resolve_checkpoint_key(self, name: str) -> str:
         """A checkpoint name with the seed aliases resolved (and a tied `lm_head.weight` as the embedding)."""
@@ -393,6 +445,12 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
         keys = set()
         for name, _ in self.named_parameters():
             if any(name.startswith(prefix) for prefix in skip):
+                continue
+            if ".experts." in name:                              # FusedMoE: every routed expert, one tensor each
+                block = name.split(".experts.")[0]
+                projections = ("gate", "up") if name.endswith("w13_weight") else ("down",)
+                keys.update(f"{block}.experts.{e}.{p}_proj.weight" for e in range(self.config.num_experts)
+                            for p in projections)
                 continue
             fused = next((f for f in self.packed_modules_mapping if f".{f}." in name), None)
             sources = self.packed_modules_mapping[fused] if fused else []

@@ -11,11 +11,17 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -29,7 +35,19 @@ SOURCES = {
     "qwen2_tied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=16, num_key_value_heads=1)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
+    # Mixtures of experts: every MoE layer (Mixtral), a dense layer among them (Qwen3-MoE's mlp_only_layers),
+    # and Qwen2-MoE's shared expert with every other layer sparse.
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(tie_word_embeddings=False, head_dim=16, num_experts=4,
+                                                             num_experts_per_tok=2, moe_intermediate_size=16,
+                                                             mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(tie_word_embeddings=False, num_experts=4,
+                                                             num_experts_per_tok=2, moe_intermediate_size=16,
+                                                             shared_expert_intermediate_size=24, decoder_sparse_step=2,
+                                                             norm_topk_prob=False)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(tie_word_embeddings=False, num_local_experts=4,
+                                                         num_experts_per_tok=2, sliding_window=None)),
 }
+MOE_SOURCES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
@@ -43,6 +61,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(param.shape, generator=gen)
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.copy_(noise)                  # routers: clear top-k choices, no ties float noise could flip
             else:
                 param.copy_(0.02 * noise if name.endswith("weight") else 0.05 * noise)
 

@@ -1,7 +1,7 @@
 """vLLM and transformers agree on tiny random AttnRes models in float32.
 
 For each architecture variant (block sizes 1, 2, 3 with a partial last block, Full AttnRes, GQA and
-MHA, q/k norm, biases, tied embeddings) vLLM's greedy tokens equal transformers' for several prompts
+MHA, q/k norm, biases, tied embeddings, mixtures of experts with and without a shared expert) vLLM's greedy tokens equal transformers' for several prompts
 at batch sizes 1, 2 and 5, and its top-5 logprobs match transformers' log-softmax. One variant also
 runs with vLLM's torch.compile on. Checkpoint loading (seed-name aliases, missing and unexpected
 keys) is checked on a live engine.
@@ -22,6 +22,11 @@ VARIANTS = {
     "block2-mha-qknorm": dict(attn_res_block_size=2, num_hidden_layers=4, num_key_value_heads=4, qk_norm=True),
     "block3-partial-bias": dict(attn_res_block_size=3, num_hidden_layers=5, attention_bias=True, mlp_bias=True),
     "full-gqa": dict(attn_res_mode="full", num_hidden_layers=3, num_key_value_heads=1),
+    # Mixtures of experts (vLLM's FusedMoE): Qwen3-MoE-style with a dense layer, Qwen2-MoE's shared expert.
+    "moe": dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                mlp_only_layers=[1]),
+    "moe-shared": dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False),
 }
 
 

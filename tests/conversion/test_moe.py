@@ -1,0 +1,49 @@
+"""Mixture-of-experts sources (transformers' Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) -> AttnRes:
+exact at eps=0 (tests/conversion/test_standard.py), the same experts chosen for every token and layer, the
+same load-balancing loss, the routing reported by the verification; quantization refused clearly."""
+
+import pytest
+import torch
+
+from attnres.conversion import ConversionError, ConvertOptions, convert
+from attnres.conversion.quantize import quantize_checkpoint
+from tests.conversion.builders import MOE_SOURCES, save_source, source_model, token_ids
+from tests.support.reference import load_hf
+
+
+@pytest.mark.parametrize("name", MOE_SOURCES)
+def test_routing_and_the_aux_loss_are_the_sources_at_eps_zero(tmp_path, name):
+    src = source_model(name, eps=0.0, seed=3)
+    save_source(src, tmp_path / "src")
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False, stream_scale=2.0))
+    assert result.config.num_experts == 4 and result.config.sparse_layers == {
+        "qwen3_moe": [0, 2, 3], "qwen2_moe": [1, 3], "mixtral": [0, 1, 2, 3]}[name]
+    model, ids = load_hf(tmp_path / "dst"), token_ids()
+    with torch.no_grad():
+        ours = model(ids, labels=ids, output_router_logits=True)
+        theirs = src(ids, labels=ids, output_router_logits=True)
+    assert len(ours.router_logits) == len(theirs.router_logits) == len(result.config.sparse_layers)
+    for a, b in zip(ours.router_logits, theirs.router_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.topk(2).indices.sort().values, b.topk(2).indices.sort().values)
+    torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_the_verification_reports_the_routing_and_the_card_the_experts(tmp_path):
+    src = source_model("qwen2_moe", eps=1e-7, seed=4)
+    save_source(src, tmp_path / "src")
+    result = convert(tmp_path / "src", tmp_path / "dst")
+    assert result.verification.passed and result.verification.routing_agreement == 1.0
+    assert "routing: 100.0% of (token, sparse layer) pairs" in "\n".join(result.verification.lines())
+    card = (tmp_path / "dst" / "README.md").read_text()
+    assert "mixture of experts: 4 experts, top-2, on layers [1, 3], shared expert of 24" in card
+
+
+def test_quantize_refuses_a_mixture_of_experts(tmp_path):
+    src = source_model("mixtral", seed=5)
+    save_source(src, tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "attnres", ConvertOptions(verify=False))
+    with pytest.raises(ConversionError, match="is a mixture of experts \\(4 experts\\): attnres-quantize writes W8A8"):
+        quantize_checkpoint(tmp_path / "attnres", tmp_path / "w8a8")
+    assert not (tmp_path / "w8a8").exists()
