@@ -29,6 +29,9 @@ from torch import nn
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.platforms import current_platform
+
+from .model import EXPERT_KEY
 
 WORKER_EXTENSION = f"{__name__}.AttnResWeightUpdates"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,6 +56,10 @@ def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> N
         expected = shapes.get(key)
         if expected is None:
             problems.append(f"{name}: not a parameter of this model")
+        elif EXPERT_KEY.match(key) and current_platform.is_cpu():
+            problems.append(f"{name}: a routed expert; vLLM's CPU build cannot update those in place (its in-place "
+                            "reload leaves the fused-expert kernel's packed weights stale, for vLLM's own Qwen3-MoE "
+                            "too); save the model and start the engine from it")
         elif tuple(tensor.shape) != expected:
             problems.append(f"{name}: shape {tuple(tensor.shape)}, the checkpoint's is {expected}")
         elif tensor.dtype not in FLOAT_DTYPES:
@@ -64,27 +71,29 @@ def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> N
 
 
 def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint key of the whole model (all pipeline ranks) and its shape: the transformers
-    model's own state dict, built on the meta device (a tied `lm_head` left out)."""
+    """Every checkpoint key of the whole model (all pipeline ranks) and its shape, in the layout on disk
+    (one tensor per routed expert, no tied `lm_head`): the transformers model's, built on the meta device."""
+    from attnres.conversion.keymap import target_shapes
     from modeling_attnres import AttnResForCausalLM
 
     with torch.device("meta"):
-        model = AttnResForCausalLM(config)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    return {key: tuple(t.shape) for key, t in model.state_dict().items() if key not in tied}
+        return {key: tuple(shape) for key, shape in target_shapes(AttnResForCausalLM(config)).items()}
 
 
 def complete_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The update plus, for every module it touches on this rank, that module's other checkpoint
     tensors as they are now (full, unsharded), so that vLLM's reload processes each module whole."""
     by_key = {model.resolve_checkpoint_key(name): tensor for name, tensor in weights}
-    modules = module_keys(model)
     completed = dict(by_key)
-    for module, keys in modules.items():
-        if any(key in by_key for key in keys):
-            for key in keys:
-                if key not in completed:
-                    completed[key] = current_tensor(model, key)
+    for module, keys in module_keys(model).items():
+        missing = [key for key in keys if key not in by_key] if any(key in by_key for key in keys) else []
+        if any(EXPERT_KEY.match(key) for key in missing):
+            raise ValueError(f"The weight update was refused, nothing was changed: it has "
+                             f"{len(keys) - len(missing)} of the {len(keys)} routed-expert tensors of {module}. "
+                             "Routed experts are updated a whole MoE block at a time (every expert's gate, up and "
+                             "down projection), since the fused-expert kernels repack them and a part cannot be "
+                             "read back.")
+        completed.update({key: current_tensor(model, key) for key in missing})
     return list(completed.items())
 
 
@@ -93,8 +102,9 @@ def module_keys(model: nn.Module) -> dict[str, list[str]]:
     modules = defaultdict(list)
     for key in sorted(model.checkpoint_keys()):
         target, _ = model.checkpoint_target(key)
-        if target is not None:
-            modules[target.rsplit(".", 1)[0]].append(key)
+        expert = EXPERT_KEY.match(key)
+        if target is not None:                          # a routed expert's tensors belong to their FusedMoE block
+            modules[expert.group(1) if expert else target.rsplit(".", 1)[0]].append(key)
     return dict(modules)
 
 
@@ -118,7 +128,8 @@ def local_tensor(module: nn.Module, leaf: str) -> torch.Tensor:
     param = getattr(module, leaf)
     if leaf != "weight" or (param.numel() > 0 and not param.is_meta):
         return param.detach().to(getattr(module, "params_dtype", param.dtype)).clone()
-    eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype, device=param.device)
+    size = getattr(module, "input_size_per_partition", None) or module.input_size    # replicated layers
+    eye = torch.eye(size, dtype=module.params_dtype, device=param.device)
     return module.quant_method.apply(module, eye, bias=None).t().contiguous()
 
 
