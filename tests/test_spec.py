@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from tests.support.models import tiny_model
 
@@ -19,37 +20,54 @@ def spec_name_table() -> list[str]:
     return [line.split()[0] for line in block.strip().splitlines()]
 
 
-def expand(pattern: str, num_layers: int) -> list[str]:
-    """`model.layers.{i}.self_attn.{q,k}_norm.weight` -> every concrete name."""
+def expand(pattern: str, layers: list[int], experts: int) -> list[str]:
+    """`model.layers.{i}.self_attn.{q,k}_norm.weight` -> every concrete name (`{i}` over `layers`, `{e}`
+    over the experts, `{a,b}` over its options)."""
     names = [pattern]
     while any("{" in n for n in names):
         name = next(n for n in names if "{" in n)
         names.remove(name)
         field = re.search(r"\{([^}]*)\}", name)
-        options = [str(i) for i in range(num_layers)] if field.group(1) == "i" else field.group(1).split(",")
+        options = ([str(i) for i in layers] if field.group(1) == "i" else
+                   [str(e) for e in range(experts)] if field.group(1) == "e" else field.group(1).split(","))
         names += [name[:field.start()] + option + name[field.end():] for option in options]
     return names
 
 
-@pytest.mark.parametrize("options", [dict(), dict(qk_norm=True, attention_bias=True, tie_word_embeddings=True)])
-def test_model_parameters_are_the_spec_table(options):
-    """Every parameter of the model is in the spec's table and vice versa (optional rows by config)."""
+def rows_layers(pattern: str, config) -> list[int] | None:
+    """The layers a row of the table applies to under `config` (`None`: the row does not apply)."""
+    dense = [i for i in range(config.num_hidden_layers) if not config.is_sparse_layer(i)]
+    if "mlp.{gate,up,down}_proj" in pattern:
+        return dense
+    if "shared_expert" in pattern:
+        return config.sparse_layers if config.shared_expert_intermediate_size else None
+    if ".mlp.gate.weight" in pattern or ".mlp.experts." in pattern:
+        return config.sparse_layers
+    if "self_attn.{q,k}_norm" in pattern:
+        return list(range(config.num_hidden_layers)) if config.qk_norm else None
+    if pattern.startswith("lm_head"):
+        return None if config.tie_word_embeddings else []
+    return list(range(config.num_hidden_layers))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(qk_norm=True, attention_bias=True, tie_word_embeddings=True),
+                                     dict(num_experts=2, moe_intermediate_size=16, mlp_only_layers=[1],
+                                          shared_expert_intermediate_size=8)])
+def test_checkpoints_hold_exactly_the_spec_table(options, tmp_path):
+    """Every tensor of a saved checkpoint is in the spec's table and vice versa (optional rows by config)."""
     model = tiny_model(randomize=False, **options)
-    layers = model.config.num_hidden_layers
-    optional = {".bias": options.get("attention_bias", False), "_norm.weight": options.get("qk_norm", False),
-                "lm_head": not options.get("tie_word_embeddings", False)}
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        saved = set(f.keys())
     expected = set()
     for pattern in spec_name_table():
-        if pattern.startswith("lm_head"):
-            keep = optional["lm_head"]
-        elif "self_attn.{q,k}_norm" in pattern:
-            keep = optional["_norm.weight"]
-        else:
-            keep = True
-        expected |= set(expand(pattern, layers)) if keep else set()
-    if optional[".bias"]:
-        expected |= {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(layers) for p in "qkvo"}
-    assert set(dict(model.named_parameters())) | ({"lm_head.weight"} if optional["lm_head"] else set()) == expected
+        layers = rows_layers(pattern, model.config)
+        if layers is not None:
+            expected |= set(expand(pattern, layers, model.config.num_experts))
+    if options.get("attention_bias"):
+        expected |= {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(model.config.num_hidden_layers)
+                     for p in "qkvo"}
+    assert saved == expected
 
 
 def test_nothing_cites_a_spec_outside_the_repository():
