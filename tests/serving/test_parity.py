@@ -1,7 +1,8 @@
 """vLLM and transformers agree on tiny random AttnRes models in float32.
 
 For each architecture variant (block sizes 1, 2, 3 with a partial last block, Full AttnRes, GQA and
-MHA, q/k norm, biases, tied embeddings, mixtures of experts with and without a shared expert) vLLM's greedy tokens equal transformers' for several prompts
+MHA, q/k norm, biases, tied embeddings, mixtures of experts with and without a shared expert) vLLM's
+greedy tokens equal transformers' for several prompts
 at batch sizes 1, 2 and 5, and its top-5 logprobs match transformers' log-softmax. One variant also
 runs with vLLM's torch.compile on. Checkpoint loading (seed-name aliases, missing and unexpected
 keys) is checked on a live engine.
