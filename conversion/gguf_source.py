@@ -214,6 +214,7 @@ def inspect_gguf(path: Path) -> Counter:
                               f"GGUF files of architecture {', '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))} "
                               "(Llama-family). Convert the original transformers checkpoint instead.")
     check_shape_metadata(reader, arch, path)
+    check_dense(reader, arch, path)
     types = Counter(t.tensor_type.name for t in reader.tensors)
     supported = dequantisable_types()
     unsupported = {name: [t.name for t in reader.tensors if t.tensor_type.name == name]
@@ -246,6 +247,17 @@ def check_shape_metadata(reader, arch: str, path: Path) -> None:
             shown = value if value is not None else f"a {field.types[-1].name.lower()} value"
             raise ConversionError(f"Cannot read {path} as a GGUF model: its metadata {arch}.{key} is {shown}, "
                                   f"expected {expected}. The file is corrupt; download or copy it again.")
+
+
+def check_dense(reader, arch: str, path: Path) -> None:
+    """Refuse a mixture of experts (llama.cpp writes Mixtral as "llama" with an expert count): its experts
+    are not read from GGUF here, and transformers would build a dense Llama without them."""
+    field = reader.fields.get(f"{arch}.expert_count")
+    count = int(field.parts[field.data[0]][0]) if field is not None and field.data else 0
+    if count:
+        raise ConversionError(f"{path.name} is a mixture of experts ({arch}.expert_count = {count}): attnres-convert "
+                              "reads dense GGUF models only. Convert the original transformers checkpoint "
+                              "(Mixtral, Qwen2-MoE and Qwen3-MoE are supported) instead.")
 
 
 def describe(types: Counter) -> str:

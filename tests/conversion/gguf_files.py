@@ -78,13 +78,16 @@ def write_metadata(writer: GGUFWriter, cfg, file_type: LlamaFileType) -> None:
 
 
 def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32, arch: str = "llama",
-               raw: dict[str, np.ndarray] | None = None) -> Path:
+               raw: dict[str, np.ndarray] | None = None, expert_count: int = 0) -> Path:
     """Write `model` (a LlamaForCausalLM with vocab VOCAB_SIZE) as a GGUF; matrices in `qtype`, norms in F32.
-    `raw` stores the given arrays as they are instead of the named tensors (to write other tensor types)."""
+    `raw` stores the given arrays as they are instead of the named tensors (to write other tensor types);
+    `expert_count` writes llama.cpp's `{arch}.expert_count` (how it marks a Mixtral written as "llama")."""
     file_type = {GGMLQuantizationType.F32: LlamaFileType.ALL_F32, GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
                  GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1}[qtype]
     writer = GGUFWriter(path, arch)
     write_metadata(writer, model.config, file_type)
+    if expert_count:
+        writer.add_expert_count(expert_count)
     for name, tensor in gguf_tensors(model).items():
         data = tensor.detach().float().numpy()
         if raw and name in raw:

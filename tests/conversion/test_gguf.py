@@ -71,6 +71,14 @@ def test_unsupported_gguf_architecture_is_named(tmp_path, capsys):
     assert_nothing_written(tmp_path)
 
 
+def test_mixture_of_experts_gguf_is_refused(tmp_path):
+    path = write_gguf(tiny_llama(), tmp_path / "mixtral.gguf", expert_count=8)
+    with pytest.raises(ConversionError, match=r"mixtral\.gguf is a mixture of experts \(llama\.expert_count = 8\).*"
+                                              r"Convert the original transformers checkpoint"):
+        convert(path, tmp_path / "dst")
+    assert_nothing_written(tmp_path)
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
     norm = tiny_llama().model.norm.weight.detach().numpy().astype(np.float64)
     path = write_gguf(tiny_llama(), tmp_path / "f64.gguf", raw={"output_norm.weight": norm})
