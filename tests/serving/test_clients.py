@@ -62,7 +62,8 @@ def hf(server_cache):
 
 
 def child_env(**extra) -> dict:
-    """The environment of a client process: no hub, the server's key for OpenAI-style clients."""
+    """The environment of a client process: no hub, the server's key for OpenAI-style clients, and none of
+    the in-process engine settings tests/serving/conftest.py gives this package (a client is no engine)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "OPENAI_API_KEY": SERVER_API_KEY, "TOKENIZERS_PARALLELISM": "false", **extra}
