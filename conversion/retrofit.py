@@ -4,7 +4,10 @@ A converted checkpoint (`attnres-convert`) has zero pseudo-queries, so every sit
 sources uniformly and the model computes what its source did (docs/spec.md, section 8). This command
 trains the depth-attention parameters (the pseudo-queries `*_res_proj` and key-norm gains
 `*_res_norm`; `--train all` trains everything) on a text corpus with the transformers `Trainer`,
-the backbone frozen by default, and writes the trained model atomically to DST. `--export-depth
+the backbone frozen by default, and writes the trained model atomically to DST. The loss is the
+language-model loss plus `--kl-weight` times the KL divergence to the model as it was given (for a
+fresh conversion: the source), and the model kept is the best held-out checkpoint, or the starting
+model itself when none beats it on both long windows and short paragraph starts (see `distill`). `--export-depth
 FILE` also writes ONLY the depth parameters as a small safetensors file that `apply_depth_parameters`
 puts back on top of a fresh conversion of the same source.
 
@@ -39,6 +42,7 @@ from transformers import TrainerCallback
 
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
+from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_loss, heldout_metrics, no_worse, paragraph_windows
 from .errors import ConversionError, UsageError, fail
 from .publish import fsync_tree, staged_file, staged_folder, user_cache_dir
 
@@ -82,8 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (pseudo-query scores grow fast)")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of seq-len tokens (0: all)")
-    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--kl-weight", type=float, default=1.0, help="weight of the KL divergence to the starting "
+                   "model's next-token distribution, next to the LM loss (0: the LM loss alone)")
+    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of seq-len tokens (0: all); "
+                   "as many short ones start at held-out paragraph starts")
+    p.add_argument("--short-tokens", type=int, default=16, help="length of the short held-out windows")
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint and evaluate every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-after", type=int, help="checkpoint and exit after this step (simulates an interruption)")
     args = p.parse_args(argv)
@@ -97,6 +105,10 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     for name in ("steps", "batch_size", "seq_len", "save_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 2 <= args.short_tokens <= args.seq_len:
+        raise UsageError(f"--short-tokens must be in 2..--seq-len ({args.seq_len}), got {args.short_tokens}")
+    if not (math.isfinite(args.kl_weight) and args.kl_weight >= 0):
+        raise UsageError(f"--kl-weight must be a finite number >= 0, got {args.kl_weight}")
     if not 0 < args.validation_percent < 100:
         raise UsageError(f"--validation-percent must be in 1..99, got {args.validation_percent}")
     if args.batch_size % world_size:
@@ -183,26 +195,30 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": self.windows[i], "labels": self.windows[i]}
 
 
+def training_windows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
+    """The fixed-stride windows and as many again (at most) starting at paragraph starts: a model that
+    never saw a window begin where a prompt begins learns nothing about short contexts."""
+    strided = token_windows(tokenizer, texts, seq_len, "training")
+    starts = spread(paragraph_windows(tokenizer, texts, seq_len, min_tokens=4), strided.shape[0])
+    return torch.cat([strided, starts])
+
+
+def heldout_windows(tokenizer, texts: list[str], args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(long, short)` held-out windows: `--eval-windows` of `--seq-len` tokens spread over the held-out
+    text, and as many of `--short-tokens` starting at its paragraph starts."""
+    long = spread(token_windows(tokenizer, texts, args.seq_len, "held-out"), args.eval_windows)
+    short = paragraph_windows(tokenizer, texts, args.short_tokens, min_tokens=4)
+    if short.shape[0] == 0:
+        raise RetrofitError(f"the held-out text has no paragraph (a blank-line-separated block of at least 4 "
+                            f"tokens) with {args.short_tokens} tokens from its start; add text or lower --short-tokens")
+    return long, spread(short, long.shape[0])
+
+
 def spread(windows: torch.Tensor, count: int) -> torch.Tensor:
     """`count` windows spread evenly over all of them (so every held-out file contributes)."""
     if count <= 0 or count >= windows.shape[0]:
         return windows
     return windows[torch.linspace(0, windows.shape[0] - 1, count).round().long()]
-
-
-@torch.no_grad()
-def heldout_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
-    """Mean next-token cross-entropy (nats per predicted token) over `windows`."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for start in range(0, windows.shape[0], batch_size):
-        batch = windows[start : start + batch_size].to(model.device)
-        logits = model(input_ids=batch).logits.float()
-        total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(),
-                                                   reduction="sum").item()
-    model.train(was_training)
-    return total / windows[:, 1:].numel()
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -245,6 +261,8 @@ def training_arguments(args, world_size: int):
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=args.warmup, weight_decay=0.0,
         adam_beta2=0.95, max_grad_norm=1.0, logging_steps=max(1, min(10, args.steps // 20)),
         save_steps=args.save_every, save_total_limit=2, report_to=[], seed=args.seed, data_seed=args.seed,
+        eval_strategy="steps", eval_steps=args.save_every, load_best_model_at_end=True,
+        metric_for_best_model="heldout", greater_is_better=False,
         dataloader_drop_last=True, dataloader_pin_memory=False, disable_tqdm=False, remove_unused_columns=False,
         # Several processes without GPUs: DDP over gloo on the CPUs (accelerate would otherwise leave
         # each process training alone).
@@ -330,24 +348,30 @@ class StopAfter(TrainerCallback):
         return control
 
 
-def train(model, train_windows: torch.Tensor, args, world_size: int = 1):
-    """Train `model`'s unfrozen parameters with the Trainer; returns (trainer, loss history)."""
-    from transformers import Trainer, TrainerState
+def train(model, train_windows: torch.Tensor, heldout: tuple[torch.Tensor, torch.Tensor], args, world_size: int = 1):
+    """Train `model`'s unfrozen parameters with the Trainer, evaluating on the `(long, short)` held-out
+    windows at every checkpoint; the best evaluated one is loaded at the end. Returns (trainer, loss history)."""
+    from transformers import TrainerState
     from transformers.trainer import TRAINER_STATE_NAME
 
     resume = last_checkpoint(args.work_dir) if args.resume else None
-    trainer = Trainer(model=model, args=training_arguments(args, world_size), train_dataset=Windows(train_windows))
+    trainer = RetrofitTrainer(model=model, args=training_arguments(args, world_size), train_dataset=Windows(train_windows),
+                              eval_dataset=Windows(heldout[0]), kl_weight=args.kl_weight, long=heldout[0],
+                              short=heldout[1])
     if world_size > 1 and trainer.args.world_size != world_size:
         raise RetrofitError(f"{world_size} processes were launched but the Trainer sees {trainer.args.world_size}: "
                             "each would train alone. Launch with `accelerate launch --multi_gpu --num_processes N`")
     if args.stop_after is not None:
         trainer.add_callback(StopAfter(args.stop_after))
+    trainer.add_callback(EvaluateAtEnd())
     trainer.add_callback(MarkComplete())
     with work_dir_lock(args.work_dir) if trainer.is_world_process_zero() else nullcontext():
         if resume is not None and int(Path(resume).name.split("-")[1]) >= args.steps:
             # Finished already (killed while publishing): the Trainer, resumed at max_steps, would train on.
             trainer._load_from_checkpoint(resume)
             trainer.state = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME))
+            if trainer.state.best_model_checkpoint:
+                trainer._load_best_model()
         else:
             trainer.train(resume_from_checkpoint=resume)
     history = [log["loss"] for log in trainer.state.log_history if "loss" in log]
@@ -427,6 +451,17 @@ def apply_depth_parameters(model, path: Path) -> dict:
     return meta
 
 
+def keep_start(model, start: dict[str, torch.Tensor], before: dict, after: dict) -> None:
+    """Put the starting values of the trained parameters back (no checkpoint beat the start), and say so."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in start:
+                param.copy_(start[name])
+    print(f"attnres-retrofit: the best checkpoint is not better than the starting model on the held-out set "
+          f"(loss {after['loss']:.4f} vs {before['loss']:.4f}, short contexts {after['short_loss']:.4f} vs "
+          f"{before['short_loss']:.4f}); keeping the starting model", file=sys.stderr)
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -438,26 +473,36 @@ def retrofit(args) -> dict:
     check_attnres(args.model)
     texts = read_corpus(args.corpus, args.pattern, args.validation_percent)
     model, tokenizer = load_model(args.model)
-    train_windows = token_windows(tokenizer, texts["train"], args.seq_len, "training")
-    val_windows = spread(token_windows(tokenizer, texts["validation"], args.seq_len, "held-out"), args.eval_windows)
+    train_windows = training_windows(tokenizer, texts["train"], args.seq_len)
+    long, short = heldout_windows(tokenizer, texts["validation"], args)
     trained = select_trainable(model, args.train)
-    before = heldout_loss(model, val_windows)
-    trainer, history = train(model, train_windows, args, world_size)
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if n in trained}
+    before = heldout_metrics(model, long, short)
+    trainer, history = train(model, train_windows, (long, short), args, world_size)
     if trainer.state.global_step < args.steps:          # --stop-after: interrupted, nothing to publish
         return {"interrupted_at": trainer.state.global_step, "history": history}
-    after = heldout_loss(trainer.model, val_windows)
+    after = heldout_metrics(trainer.model, long, short)
+    kept = "best checkpoint" if no_worse(after, before) else "start"
+    if kept == "start":                                 # training can only make the model better, or leave it
+        keep_start(model, start, before, after)
+        after = before
     trained_count = sum(p.numel() for n, p in model.named_parameters() if n in trained)
     metrics = {"model": str(args.model), "train": args.train, "trained_parameters": trained_count,
                "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-               "warmup": args.warmup, "seed": args.seed, "processes": world_size,
+               "warmup": args.warmup, "kl_weight": args.kl_weight, "seed": args.seed, "processes": world_size,
                "validation_percent": args.validation_percent, "pattern": list(args.pattern),
-               "train_windows": train_windows.shape[0], "heldout_windows": val_windows.shape[0],
-               "heldout_loss_before": before, "heldout_loss_after": after, "history": history}
+               "train_windows": train_windows.shape[0], "heldout_windows": long.shape[0],
+               "short_windows": short.shape[0], "short_tokens": args.short_tokens, "kept": kept,
+               "best_step": trainer.state.best_global_step if kept != "start" else 0,
+               "heldout_loss_before": before["loss"], "heldout_loss_after": after["loss"],
+               "heldout_short_loss_before": before["short_loss"], "heldout_short_loss_after": after["short_loss"],
+               "history": history}
     out = args.out or args.work_dir / "final"
     save_result(trainer, tokenizer, out, metrics)
     if args.export_depth is not None and trainer.is_world_process_zero():
-        export_depth(out, args.export_depth, {"steps": args.steps, "heldout_loss_before": f"{before:.4f}",
-                                              "heldout_loss_after": f"{after:.4f}"})
+        export_depth(out, args.export_depth, {"steps": args.steps, "kept": kept,
+                                              "heldout_loss_before": f"{before['loss']:.4f}",
+                                              "heldout_loss_after": f"{after['loss']:.4f}"})
     return metrics
 
 

@@ -71,7 +71,7 @@ def load_source(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def train_control(source: Path, train_windows: torch.Tensor, budget: dict, out: Path):
+def train_control(source: Path, train_windows: torch.Tensor, heldout: tuple, budget: dict, out: Path):
     """The source Llama with only its RMSNorm gains trained, on retrofit's data and budget (`budget["lr"]`
     is the control's). A control trained earlier is reused only if it was trained on this budget."""
     if (out / "config.json").is_file() and (out / "control.json").is_file():
@@ -83,8 +83,9 @@ def train_control(source: Path, train_windows: torch.Tensor, budget: dict, out: 
     args = retrofit.parse_args([str(source), "unused", "--work-dir", str(out) + "-work", "--steps",
                                 str(budget["steps"]), "--batch-size", str(budget["batch_size"]), "--seq-len",
                                 str(budget["seq_len"]), "--lr", str(budget["lr"]), "--warmup", str(budget["warmup"]),
-                                "--seed", str(budget["seed"]), "--train", "norms"])
-    retrofit.train(model, train_windows, args)
+                                "--seed", str(budget["seed"]), "--train", "norms",
+                                "--kl-weight", str(budget.get("kl_weight", 0.0))])
+    retrofit.train(model, train_windows, heldout, args)
     trained = sum(p.numel() for n, p in model.named_parameters() if n in names)
     shutil.rmtree(out, ignore_errors=True)                            # a control of another budget
     model.save_pretrained(out)
@@ -100,9 +101,12 @@ def main(argv=None) -> int:
     texts = retrofit.read_corpus(args.corpus, tuple(budget["pattern"]), budget["validation_percent"])
     windows = retrofit.spread(retrofit.token_windows(tok, texts["validation"], budget["seq_len"], "held-out"),
                               budget["heldout_windows"])
-    train_windows = retrofit.token_windows(tok, texts["train"], budget["seq_len"], "training")
+    train_windows = retrofit.training_windows(tok, texts["train"], budget["seq_len"])
+    heldout = retrofit.heldout_windows(tok, texts["validation"], retrofit.parse_args(
+        ["unused", "unused", "--seq-len", str(budget["seq_len"]), "--eval-windows", str(budget["heldout_windows"]),
+         "--short-tokens", str(budget.get("short_tokens", 16))]))
     control_budget = {**budget, "lr": args.control_lr}
-    control, control_params = train_control(args.source, train_windows, control_budget, args.control_out)
+    control, control_params = train_control(args.source, train_windows, heldout, control_budget, args.control_out)
     rows = [measure("source Llama", load_source(args.source), tok,
                     windows, 0, args.max_new_tokens),
             measure("converted AttnRes (zero queries)", AutoModelForCausalLM.from_pretrained(
