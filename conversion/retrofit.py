@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
-from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_loss, heldout_metrics, no_worse, paragraph_windows
+from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
 from .errors import ConversionError, UsageError, fail
 from .publish import fsync_tree, staged_file, staged_folder, user_cache_dir
 
@@ -355,9 +355,9 @@ def train(model, train_windows: torch.Tensor, heldout: tuple[torch.Tensor, torch
     from transformers.trainer import TRAINER_STATE_NAME
 
     resume = last_checkpoint(args.work_dir) if args.resume else None
-    trainer = RetrofitTrainer(model=model, args=training_arguments(args, world_size), train_dataset=Windows(train_windows),
-                              eval_dataset=Windows(heldout[0]), kl_weight=args.kl_weight, long=heldout[0],
-                              short=heldout[1])
+    trainer = RetrofitTrainer(model=model, args=training_arguments(args, world_size),
+                              train_dataset=Windows(train_windows), eval_dataset=Windows(heldout[0]),
+                              kl_weight=args.kl_weight, long=heldout[0], short=heldout[1])
     if world_size > 1 and trainer.args.world_size != world_size:
         raise RetrofitError(f"{world_size} processes were launched but the Trainer sees {trainer.args.world_size}: "
                             "each would train alone. Launch with `accelerate launch --multi_gpu --num_processes N`")

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
 from attnres.conversion import retrofit
+from attnres.conversion.distill import heldout_loss
 from attnres.conversion.publish import user_cache_dir
 
 QUESTIONS = ("What is the capital of France?", "What is 2 + 2?")
@@ -55,7 +56,7 @@ def answer(model, tok, question: str, max_new_tokens: int) -> str:
 
 
 def measure(name: str, model, tok, windows: torch.Tensor, trained: int, max_new_tokens: int) -> dict:
-    loss = retrofit.heldout_loss(model.eval(), windows)
+    loss = heldout_loss(model.eval(), windows)
     row = {"model": name, "trained_parameters": trained, "heldout_loss": loss, "heldout_ppl": math.exp(loss),
            "answers": {q: answer(model, tok, q, max_new_tokens) for q in QUESTIONS}}
     print(json.dumps(row), file=sys.stderr)
