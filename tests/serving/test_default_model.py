@@ -211,6 +211,10 @@ def test_a_killed_build_leaves_the_cache_as_it_was_or_complete(built, tmp_path, 
     assert listing(cache) == [LOCK, path.name]
 
 
+def fetch_nothing(dest):
+    raise AssertionError("fetched again")
+
+
 def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local_wheel):
     """A depth file exported by attnres-retrofit from a copy with other depth parameters: the default
     built with it equals that copy, tensor for tensor."""
@@ -231,6 +235,15 @@ def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local
     base = load_file(plain / "model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not torch.equal(got["model.output_attn_res_proj.weight"], base["model.output_attn_res_proj.weight"])
+    # Beside a cached exact conversion the same depth file is applied to a copy of it: nothing is fetched.
+    root, _ = built
+    on_cached = ensure_default_model(root, fetch=fetch_nothing, sha256=sha256(local_wheel),
+                                     depth_parameters=tmp_path / "depth.safetensors")
+    assert on_cached.name == path.name and (on_cached / "model.safetensors").read_bytes() == \
+        (path / "model.safetensors").read_bytes()
+    info = json.loads((on_cached / BUILD_INFO).read_text())
+    assert info["depth_parameters"] == "depth.safetensors" and "verdict: passed" in info["verification"], info
+    shutil.rmtree(on_cached)
     save_file({"model.norm.weight": base["model.norm.weight"]}, tmp_path / "bad.safetensors")
     with pytest.raises(RetrofitError, match="is not a depth-parameter file"):
         default_model.apply_depth_parameters(path, tmp_path / "bad.safetensors")
