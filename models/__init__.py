@@ -3,7 +3,8 @@
 - `attnres-tiny/`: a small Block AttnRes model trained on CPython's standard library
   (`examples/train.py`), the server's offline fallback and the demos' model (`shipped_model_path()`).
 - `smollm2-135m-attnres-depth.safetensors`: depth-attention parameters retrofitted on the converted
-  SmolLM2-135M-Instruct, applied on top of the server's default model (`depth_parameters_path()`).
+  SmolLM2-135M-Instruct, applied on top of its conversion for `builtin:smollm2-135m-attnres-retrofit`
+  (`depth_parameters_path()`).
 
 Every run-time file is found through `importlib.resources`, never through the checkout's layout, so an
 installed wheel and an editable checkout behave alike. A missing file is an error that says so; no
