@@ -26,6 +26,11 @@ earlier sites saved for the backward pass. Callers keep the bank and the partial
 `mix_site` is one pass per site with no branch on shapes or values, so it traces the same way under
 torch.compile for every site, the first one (no stored source) included. This module imports torch
 only: the transformers model, the vLLM model and the converters all run this code.
+
+`site_boundary` is everything that happens between two sublayers, in the models' order: the last
+sublayer's output added into the partial, the site's mix, the block store if the site closes one,
+and the next sublayer's RMSNorm of the mix. It is the reference the fused backends
+(`depth_attention_cpu`, `depth_attention_triton`) do in one call.
 """
 
 from typing import NamedTuple
@@ -146,3 +151,52 @@ def mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, dtype:
 def add_to_partial(partial: Tensor | None, output: Tensor) -> Tensor:
     """Accumulate a sublayer output into the running partial (`None` right after a block closed)."""
     return acc(output) if partial is None else partial + output
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' `LlamaRMSNorm` exactly (the same operations in the same order): statistics in float32,
+    the normalised value cast back to `x`'s dtype, then times `weight` (result in the promoted dtype).
+    vLLM's native `RMSNorm` computes the same bits when its weight has `x`'s dtype (it always does in
+    both models: the norms and the pseudo-queries share the model's dtype)."""
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(x.dtype)
+
+
+class SiteBoundary(NamedTuple):
+    """What a sublayer boundary (`site_boundary`) hands on.
+
+    `bank` and `partial` are the depth history for the next boundary (`partial` is `None` right after
+    the site closed a block); `mixed` is the site's mix in the model's dtype (`None` unless asked for,
+    or when no norm was given: then it is the result); `normed` is the next sublayer's input, the
+    RMSNorm of the mix (`None` without a norm); `weights [*tokens, n + 1]` the site's depth weights
+    when kept."""
+
+    bank: DepthBank
+    partial: Tensor | None
+    mixed: Tensor | None
+    normed: Tensor | None
+    weights: Tensor | None = None
+
+
+def site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None, query: Tensor, eps: float,
+                  closes_block: bool, norm_weight: Tensor | None, norm_eps: float, dtype: torch.dtype,
+                  keep_weights: bool = False, keep_mixed: bool = False) -> SiteBoundary:
+    """One sublayer boundary, as the models run it between two sublayers (docs/spec.md, section 3):
+
+    1. `partial = add_to_partial(partial, output)`: the previous sublayer's output joins the partial
+       (`output=None` at the first site of the model or of a pipeline stage: `partial` is then the
+       embedding or the received partial, taken in the accumulation dtype);
+    2. the mix of this site (`mix_site`, folded `query [d]`, result in `dtype`) over the stored sources
+       and that partial, which it reads *before* it becomes a stored block;
+    3. `push_block`: if the site closes a block, the partial is stored and a new one starts (`None`);
+    4. the next sublayer's RMSNorm of the mix (`rms_norm` with `norm_weight`, `norm_eps`; skipped when
+       `norm_weight` is `None`, and then `mixed` is returned whatever `keep_mixed` says).
+    """
+    partial = acc(partial) if output is None else add_to_partial(partial, output)
+    mixed, weights = mix_site(bank, partial, query, eps, dtype, keep_weights)
+    bank, partial = push_block(bank, partial, closes_block, eps)
+    if norm_weight is None:
+        return SiteBoundary(bank, partial, mixed, None, weights)
+    return SiteBoundary(bank, partial, mixed if keep_mixed else None, rms_norm(mixed, norm_weight, norm_eps), weights)

@@ -3,19 +3,31 @@
 The mathematics is `depth_attention.py` (torch only, the reference). Other backends are siblings
 with the same arguments, held to the same float64 oracle in the tests:
 
-- `depth_attention_cpu.py`: a fused C++ kernel for eager CPU inference (opt-in, see there).
+- `depth_attention_cpu.py`: a fused C++ kernel for eager CPU inference (on by default where it
+  can be built, see there).
 - `depth_attention_triton.py`: Triton kernels for CUDA inference (whenever Triton is installed).
 
-The transformers model and the vLLM model both call `site_mix` / `site_push` with their own
-modules' parameters, so which backend runs, and how the query is folded, is decided here once.
+The transformers model and the vLLM model both call these functions with their own modules'
+parameters, so which backend runs, and how the query is folded, is decided here once. `site_boundary`
+is a whole sublayer boundary (add, mix, store, the next sublayer's norm) in one call of the fused
+backends; `site_mix` / `site_push` are its parts.
 """
 
 import torch
 from torch import Tensor
 
-from .depth_attention import DepthBank, bank_dtype, empty_bank, fold_queries, mix_site, push_block
-from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site, fused_push_source
-from .depth_attention_triton import triton_applies, triton_mix_site, triton_push_source
+from .depth_attention import (
+    DepthBank,
+    SiteBoundary,
+    bank_dtype,
+    empty_bank,
+    fold_queries,
+    mix_site,
+    push_block,
+)
+from .depth_attention import site_boundary as reference_boundary
+from .depth_attention_cpu import cpu_kernel_applies, fused_mix_site, fused_push_source, fused_site_boundary
+from .depth_attention_triton import triton_applies, triton_mix_site, triton_push_source, triton_site_boundary
 
 
 def site_backend(partial: Tensor) -> str:
@@ -74,4 +86,31 @@ def site_push(bank: DepthBank, partial: Tensor, closes_block: bool,
     return push_block(bank, partial, closes_block, eps)
 
 
-__all__ = ["site_backend", "site_bank", "site_mix", "site_push"]
+def site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None, proj_weight: Tensor,
+                  gain: Tensor, eps: float, closes_block: bool, norm_weight: Tensor | None = None,
+                  norm_eps: float = 0.0, keep_weights: bool = False, keep_mixed: bool = False) -> SiteBoundary:
+    """One sublayer boundary (`depth_attention.site_boundary`) by the backend `site_backend` names: the
+    previous sublayer's `output` added into `partial` (`output=None` at a first site: `partial` is the
+    embedding, or the partial a pipeline stage received), the mix of the site with pseudo-query
+    `proj_weight [1, d]` and key-norm gain `gain [d]` (in the pseudo-query's dtype), the block store when
+    `closes_block`, and the next sublayer's RMSNorm (`norm_weight [d]`, `norm_eps`) of the mix.
+
+    Returns a `SiteBoundary`: the `bank` and `partial` for the next boundary, `normed` (the sublayer's
+    input), `mixed` when `keep_mixed` (or when `norm_weight` is None: then it is the result) and the
+    depth `weights [*tokens, n + 1]` when `keep_weights`. One C++ call on a CPU, one Triton kernel on a
+    GPU, in inference; the torch reference under autograd and in compiled graphs (unless the kernels are
+    enabled for them).
+    """
+    probe = output if partial is None else partial
+    if cpu_kernel_applies(probe):                                      # folds the query in C++
+        return fused_site_boundary(bank, partial, output, proj_weight, eps, closes_block, norm_weight, norm_eps,
+                                   proj_weight.dtype, keep_weights, keep_mixed, gain=gain)
+    if triton_applies(probe, in_graphs=True):                          # folds the query in the kernel
+        return triton_site_boundary(bank, partial, output, proj_weight, eps, closes_block, norm_weight, norm_eps,
+                                    proj_weight.dtype, keep_weights, keep_mixed, gain=gain)
+    query = fold_queries(proj_weight, gain[None])[0]                   # [d]
+    return reference_boundary(bank, partial, output, query, eps, closes_block, norm_weight, norm_eps,
+                              proj_weight.dtype, keep_weights, keep_mixed)
+
+
+__all__ = ["site_backend", "site_bank", "site_boundary", "site_mix", "site_push"]

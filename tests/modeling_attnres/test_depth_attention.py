@@ -190,6 +190,7 @@ def test_site_bank_has_room_for_every_source_of_the_schedule(monkeypatch):
     embeds = torch.zeros(2, 3, 16, dtype=torch.bfloat16)
     stored = sum(site.closes_block for site in config.depth_sites)             # independent of num_stored
     with torch.no_grad():
+        monkeypatch.setattr(ops, "cpu_kernel_applies", lambda x: False)  # the C++ kernel off (it is on by default)
         bank = site_bank(embeds, config)              # eager torch on a CPU: "auto" keeps float32
         assert bank.storage.shape == (2, 3, stored, 16) and bank.storage.dtype == torch.float32
         assert bank.inv_storage.dtype == torch.float32 and bank.num_stored == 0

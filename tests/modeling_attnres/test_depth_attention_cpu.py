@@ -18,9 +18,10 @@ EPS = 1e-6
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
+    state = cpu._enabled, cpu._in_graphs
     cpu.enable_cpu_kernel()          # builds on first use (~35 s), then torch's extension cache
     yield
-    cpu.enable_cpu_kernel(False)
+    cpu._enabled, cpu._in_graphs = state
 
 
 def case(n_stored, tokens, d, dtype=torch.float64, seed=0, room=0, bank_dtype=None):
@@ -222,13 +223,19 @@ def test_training_forward_keeps_the_torch_path_and_its_gradients():
     assert grads and all(g is not None for g in grads)
 
 
-@pytest.mark.parametrize("value, eager, in_graphs", [("1", True, False), ("compiled", True, True), ("0", False, False)])
-def test_environment_variable_enables_it_at_import(value, eager, in_graphs):
+@pytest.mark.parametrize("value, eager, in_graphs", [(None, True, False), ("1", True, False), ("compiled", True, True),
+                                                     ("0", False, False), ("off", False, False)])
+def test_environment_variable_at_import_and_the_default(value, eager, in_graphs):
+    """Unset, the kernel is on (loaded from torch's cache here: the fixture built it, so nothing is
+    logged); `0`/`off` turn it off without building or loading anything."""
     code = ("import torch, modeling_attnres.depth_attention_cpu as cpu\n"
-            "with torch.no_grad(): print(cpu.cpu_kernel_applies(torch.zeros(1)), cpu._in_graphs)")
-    env = {**os.environ, "ATTNRES_CPU_KERNEL": value}
+            "with torch.no_grad(): print(cpu.cpu_kernel_applies(torch.zeros(1)), cpu._in_graphs, cpu._module is None)")
+    env = {key: item for key, item in os.environ.items() if key != "ATTNRES_CPU_KERNEL"}
+    env.update({} if value is None else {"ATTNRES_CPU_KERNEL": value})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.split() == [str(eager), str(in_graphs)], out.stderr[-3000:]
+    expected = [str(eager), str(in_graphs), str(not eager)]
+    assert out.returncode == 0 and out.stdout.split() == expected, out.stderr[-3000:]
+    assert "AttnRes" not in out.stderr                     # no build, no failure: nothing to say
 
 
 def test_a_failed_build_says_what_is_missing(monkeypatch):
@@ -248,12 +255,15 @@ import json, sys
 from vllm import LLM, SamplingParams
 import modeling_attnres.depth_attention_cpu as cpu
 extension, calls = cpu._build(), []
-class CountingExtension:  # the op's implementation reaches the C++ extension through cpu._build()
+class CountingExtension:  # the ops' implementations reach the C++ extension through cpu._build()
     def __getattr__(self, name):
         return getattr(extension, name)
-    def mix_site(self, *args):
+    def mix_site(self, *args):  # a site mixed alone (attnres::mix_site)
         calls.append(1)
         return extension.mix_site(*args)
+    def site_boundary(self, *args):  # a whole boundary (attnres::site_boundary[_store])
+        calls.append(1)
+        return extension.site_boundary(*args)
 cpu._module = CountingExtension()
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
           max_model_len=64, seed=0)

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
 
 import modeling_attnres.depth_attention_triton as tri
-from modeling_attnres.depth_attention import DepthBank, empty_bank, mix_site, push_source
-from modeling_attnres.depth_attention_ops import site_backend
+from modeling_attnres.depth_attention import DepthBank, empty_bank, fold_queries, mix_site, push_source
+from modeling_attnres.depth_attention import site_boundary as reference_boundary
+from modeling_attnres.depth_attention_ops import site_backend, site_boundary
 from tests.oracle import naive_mix
 from tests.support.models import tiny_model
 
@@ -41,6 +43,31 @@ DTYPE_CASES = [(bank, part, out) for bank in (F32, BF16, F16) for part in (F32, 
 PUSH_CASES = [(bank, part, n, d) for bank, part in [(F64, F64), (F32, F32), (F32, BF16), (BF16, F32), (F16, F32),
                                                      (BF16, BF16)] for n, d in [(0, 7), (3, 300)]]
 MODEL_CASES = [("block", F32), ("full", BF16)]
+# Sublayer boundaries (model dtype, bank dtype, stored sources, hidden size, form, closes a block, keep the
+# mix and weights): every form of input (after a sublayer, after a closed block, the first site's embedding).
+BOUNDARY_CASES = [(dtype, bank, n, d, form, closes, keep) for (dtype, bank), n, d, form, closes, keep in [
+    ((F64, F64), 0, 33, "first", True, True), ((F64, F64), 3, 300, "add", False, True),
+    ((F64, F64), 3, 7, "closed", True, True), ((F64, F64), 5, 33, "add", True, False),
+    ((F32, F32), 0, 33, "first", False, True), ((F32, F32), 3, 300, "add", True, True),
+    ((F32, F32), 2, 33, "closed", False, False), ((BF16, BF16), 0, 33, "first", True, False),
+    ((BF16, BF16), 3, 33, "add", True, True), ((BF16, BF16), 4, 300, "closed", False, True),
+    ((BF16, F32), 3, 33, "add", False, True), ((BF16, F32), 2, 7, "first", True, True),
+    ((F16, F16), 3, 33, "add", True, True), ((F16, F16), 1, 33, "closed", False, False),
+]]
+BOUNDARY_IDS = [f"{str(t)[6:]}-bank-{str(b)[6:]}-n{n}-d{d}-{f}-{'closes' if c else 'open'}-{'keep' if k else 'bare'}"
+                for t, b, n, d, f, c, k in BOUNDARY_CASES]
+
+
+def make_boundary(dtype, bank_dtype, n: int, d: int, form: str, seed: int, room: int = 2):
+    """A boundary's inputs: a bank of `n` sources (room to spare), `(partial, output)` in the given form,
+    a pseudo-query `[1, d]`, a key-norm gain and the next sublayer's norm weight (in the model's dtype)."""
+    acc_dtype = F64 if dtype == F64 else F32
+    bank, partial, w, gain = make_case(n, (2, 3), d, bank_dtype, acc_dtype, seed=seed, room=room)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    output = (torch.randn(2, 3, d, generator=gen, dtype=F64) * 3).to(dtype)
+    norm_weight = (1 + 0.3 * torch.randn(d, generator=gen, dtype=F64)).to(dtype)
+    partial, output = {"add": (partial, output), "closed": (None, output), "first": (output, None)}[form]
+    return bank, partial, output, w[None].to(dtype), gain.to(dtype), norm_weight
 MODEL = dict(seed=3, num_hidden_layers=3)        # 7 sites: the interpreter runs each program in Python
 
 
@@ -89,7 +116,25 @@ def all_jobs() -> dict:
         jobs[f"push{i}"] = dict(kind="push", bank=bank, partial=partial)
     bank, partial, _, _ = make_case(3, (2,), 16, F32, F32, seed=80, room=0)
     jobs["push_full"] = dict(kind="push", bank=bank, partial=partial)      # no room left: concatenation
+    for i, (dtype, bank_dtype, n, d, form, closes, keep) in enumerate(BOUNDARY_CASES):
+        bank, partial, output, w, gain, norm_weight = make_boundary(dtype, bank_dtype, n, d, form, seed=90 + i)
+        jobs[f"boundary{i}"] = dict(kind="boundary", bank=bank, partial=partial, output=output, proj=w, gain=gain,
+                                    norm_weight=norm_weight, dtype=dtype, closes=closes, keep=keep)
+    for name, room, chunk in (("boundary_full", 0, None), ("boundary_wide", 2, 16)):   # the separate kernels
+        bank, partial, output, w, gain, norm_weight = make_boundary(BF16, BF16, 3, 33, "add", seed=120, room=room)
+        jobs[name] = dict(kind="boundary", bank=bank, partial=partial, output=output, proj=w, gain=gain,
+                          norm_weight=norm_weight, dtype=BF16, closes=True, keep=True, chunk=chunk)
     return jobs
+
+
+def boundary_chain(bank, embeds, outputs, params):
+    """Three boundaries from the embedding (closing, open, closing), through the op wrapper."""
+    partial, output, normed = embeds, None, []
+    for closes, output_next, (w, gain, norm_weight) in zip((True, False, True), outputs, params, strict=True):
+        b = site_boundary(bank, partial, output, w, gain, EPS, closes, norm_weight, EPS)
+        bank, partial, output = b.bank, b.partial, output_next
+        normed.append(b.normed)
+    return normed, bank.sources
 
 
 def model_and_ids(mode: str, dtype: torch.dtype):
@@ -109,19 +154,42 @@ def _worker(jobs_path: str, results_path: str) -> None:
             pushed = tri.triton_push_source(bank, job["partial"], EPS)
             results[name] = (pushed, pushed.storage.data_ptr() == bank.storage.data_ptr())
             continue
-        tri._MAX_BLOCK_D, tri._CHUNK_D = (job["chunk"], job["chunk"]) if "chunk" in job else (16384, 4096)
+        tri._MAX_BLOCK_D, tri._CHUNK_D = (job["chunk"], job["chunk"]) if job.get("chunk") else (16384, 4096)
+        if job["kind"] == "boundary":
+            storage = job["bank"].storage
+            got = tri.triton_site_boundary(job["bank"], job["partial"], job["output"], job["proj"], EPS, job["closes"],
+                                           job["norm_weight"], EPS, job["dtype"], keep_weights=job["keep"],
+                                           keep_mixed=job["keep"], gain=job["gain"])
+            results[name] = (got, got.bank.storage.data_ptr() == storage.data_ptr())
+            continue
         results[name] = tri.triton_mix_site(job["bank"], job["partial"], job["query"], EPS, job["dtype"],
                                             keep_weights=job["keep"], gain=job["gain"])
     tri._MAX_BLOCK_D, tri._CHUNK_D = 16384, 4096
+    # The boundary op inside a compiled graph (aot_eager: the interpreter's kernels run on the CPU, where
+    # Inductor would not launch Triton): the same results as eager, the ops in the graph.
+    gen = torch.Generator().manual_seed(130)
+    embeds = torch.randn(2, 3, 33, generator=gen).bfloat16()
+    outputs = torch.randn(3, 2, 3, 33, generator=gen).bfloat16()
+    params = [(torch.randn(1, 33, generator=gen).bfloat16(), (1 + 0.2 * torch.randn(33, generator=gen)).bfloat16(),
+               (1 + 0.2 * torch.randn(33, generator=gen)).bfloat16()) for _ in range(3)]
+    eager = boundary_chain(empty_bank(embeds.float(), 2, BF16), embeds, outputs, params)
+    graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: graphs.append(gm.code) or gm.forward)
+    tri.enable_triton_kernel(compiled=True)
+    compiled = torch.compile(boundary_chain, backend=backend, fullgraph=True)(
+        empty_bank(embeds.float(), 2, BF16), embeds, outputs, params)
+    tri.enable_triton_kernel()
+    results["compiled_boundary"] = (eager, compiled, "\n".join(graphs))
     x = torch.zeros(2, 4)
     with torch.enable_grad():
         results["backend_grad"] = site_backend(x)
     results["backend_no_grad"] = site_backend(x)
     results["backend_compiled"] = torch.compile(lambda t: site_backend(t), backend="eager", fullgraph=True)(x)
     calls = []
-    real_mix = tri.triton_mix_site
-    sys.modules["modeling_attnres.depth_attention_ops"].triton_mix_site = lambda *a, **k: calls.append(1) or real_mix(
-        *a, **k)
+    ops = sys.modules["modeling_attnres.depth_attention_ops"]
+    for name in ("triton_mix_site", "triton_site_boundary"):           # a site alone, or a whole boundary
+        real = getattr(tri, name)
+        setattr(ops, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     for mode, dtype in MODEL_CASES:
         model, ids = model_and_ids(mode, dtype)
         out = model(ids, output_depth_attentions=True)
@@ -296,3 +364,64 @@ def test_mismatched_shapes_are_refused():
         tri.triton_mix_site(bank, partial[..., :4], w[:4].float(), EPS, F32)
     with pytest.raises(ValueError, match="must have 8 elements"):
         tri.triton_mix_site(bank, partial, w[:4].float(), EPS, F32)
+
+
+@pytest.mark.parametrize("i", range(len(BOUNDARY_CASES)), ids=BOUNDARY_IDS)
+def test_the_boundary_kernel_matches_the_reference_and_the_oracle(ran, i):
+    """One kernel per boundary: the stored block and the new partial exactly as the torch reference (the
+    bfloat16 rounding is done by hand, to nearest even, also under the interpreter); float64 mixes and
+    weights to the oracle at 1e-12; the normed output (a float32 norm) and low-precision mixes within
+    float32 accuracy and one or two units in the last place of the model's dtype."""
+    jobs, results = ran
+    job = jobs[f"boundary{i}"]
+    got, in_place = results[f"boundary{i}"]
+    bank, partial, output, dtype = job["bank"], job["partial"], job["output"], job["dtype"]
+    with torch.no_grad():
+        ref = reference_boundary(DepthBank(bank.storage.clone(), bank.inv_storage.clone(), bank.num_stored), partial,
+                                 output, fold_queries(job["proj"], job["gain"][None])[0], EPS, job["closes"],
+                                 job["norm_weight"], EPS, dtype, keep_weights=True, keep_mixed=True)
+    assert in_place and got.bank.num_stored == ref.bank.num_stored == bank.num_stored + job["closes"]
+    assert torch.equal(got.bank.sources, ref.bank.sources) and got.bank.sources.dtype == bank.storage.dtype
+    torch.testing.assert_close(got.bank.inv_rms, ref.bank.inv_rms, rtol=1e-12 if dtype == F64 else 1e-6, atol=0)
+    assert (got.partial is None) == (ref.partial is None) == job["closes"]
+    assert job["closes"] or torch.equal(got.partial, ref.partial)
+    assert got.normed.dtype == dtype and (got.mixed is None) == (got.weights is None) == (not job["keep"])
+    ulp = torch.finfo(dtype).eps if dtype in (BF16, F16) else 0.0
+    # float32 sums in another order: ~1e-6 of the largest source (|x| < 20) in the mix, times the norm's
+    # 1 / rms (a mix of few large sources can be small) and the weight
+    torch.testing.assert_close(got.normed.double(), ref.normed.double(), rtol=2 * ulp + 1e-6, atol=1e-4)
+    if not job["keep"]:
+        return
+    torch.testing.assert_close(got.mixed.double(), ref.mixed.double(), rtol=ulp + 1e-6, atol=3e-5)
+    torch.testing.assert_close(got.weights, ref.weights, rtol=1e-5, atol=1e-6)
+    if dtype == F64:
+        p = ref.bank.sources[..., -1, :] if job["closes"] else ref.partial
+        expected, probs = naive_mix(list(bank.sources.movedim(-2, 0)) + [p], job["proj"][0], job["gain"], EPS)
+        torch.testing.assert_close(got.mixed, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got.weights, probs.movedim(0, -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["boundary_full", "boundary_wide"])
+def test_a_boundary_without_room_or_too_wide_for_one_program_takes_the_separate_kernels(ran, name):
+    jobs, results = ran
+    job = jobs[name]
+    got, in_place = results[name]
+    bank = job["bank"]
+    with torch.no_grad():
+        ref = reference_boundary(DepthBank(bank.storage.clone(), bank.inv_storage.clone(), bank.num_stored),
+                                 job["partial"], job["output"], fold_queries(job["proj"], job["gain"][None])[0], EPS,
+                                 True, job["norm_weight"], EPS, BF16, keep_weights=True, keep_mixed=True)
+    assert in_place == (name == "boundary_wide")                         # a full bank grows by concatenation
+    assert got.bank.num_stored == 4 and torch.equal(got.bank.sources, ref.bank.sources) and got.partial is None
+    torch.testing.assert_close(got.mixed.float(), ref.mixed.float(), rtol=2 ** -7, atol=1e-5)
+    torch.testing.assert_close(got.normed.float(), ref.normed.float(), rtol=2 ** -6, atol=1e-5)
+
+
+def test_the_boundary_op_runs_inside_a_compiled_graph(ran):
+    """With `enable_triton_kernel(compiled=True)` the boundaries trace as the ops (the one that stores a
+    block declares its write to the bank) and give the eager kernels' results bit for bit."""
+    _, results = ran
+    (eager, eager_sources), (compiled, compiled_sources), code = results["compiled_boundary"]
+    assert code.count("attnres.triton_site_boundary_store") == 2 and code.count("attnres.triton_site_boundary.") == 1
+    for a, b in zip(eager + [eager_sources], compiled + [compiled_sources], strict=True):
+        assert torch.equal(a, b)
