@@ -154,13 +154,14 @@ print(json.dumps({"folder": folder, "name": name, "sha256": hashlib.sha256(weigh
 
 
 def test_a_missing_shipped_file_is_refused_in_one_line(installed, tmp_path):
-    """The depth file removed from the install: the default is refused (one line, exit 1), never built
-    without it."""
+    """The depth file removed from the install: the retrofit built-in, which applies it, is refused (one
+    line, exit 1), never built without it."""
     env_models = next((installed.root / "env").rglob("attnres/models"))
     depth = env_models / "smollm2-135m-attnres-depth.safetensors"
     aside = depth.rename(tmp_path / depth.name)
     try:
-        done = run_bounded([str(installed.root / "env" / "bin" / "attnres-serve"), "--port", "1"], timeout=300,
+        done = run_bounded([str(installed.root / "env" / "bin" / "attnres-serve"),
+                            "builtin:smollm2-135m-attnres-retrofit", "--port", "1"], timeout=180,
                            cwd=installed.cwd, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
                                                    "ATTNRES_CACHE_DIR": str(tmp_path / "cache")})
     finally:

@@ -118,15 +118,36 @@ with open(out, "w") as f:
 """
 
 
+def ngram_prompt(hf, key: int = 4, filler: int = 40) -> list[int]:
+    """A prompt `K a b F K` after which transformers' greedy tokens are `a`, then `b`. The first comes from
+    the prefill; the n-gram proposer then sees `K a` again and drafts `b, F...`, whose first token is
+    right, so verification must accept it. `a, b` are found by trying every pair (one batched forward
+    pass per filler `F`): a random model's own continuations need not repeat anything."""
+    vocab = hf.config.vocab_size
+    tokens = torch.arange(8, vocab)
+    a, b = (t.reshape(-1) for t in torch.meshgrid(tokens, tokens, indexing="ij"))
+    for seed in range(8):
+        draw = torch.randperm(vocab - 8, generator=torch.Generator().manual_seed(100 + seed))[: key + filler] + 8
+        k, f = draw[:key], draw[key:]                 # no repeats: only the final K matches an earlier n-gram
+        n = len(a)
+        prompts = torch.cat([k.expand(n, -1), a[:, None], b[:, None], f.expand(n, -1), k.expand(n, -1), a[:, None]], 1)
+        with torch.no_grad():
+            greedy = torch.cat([hf(chunk, logits_to_keep=2).logits.argmax(-1) for chunk in prompts.split(2048)])
+        hits = ((greedy[:, 0] == a) & (greedy[:, 1] == b) & ~torch.isin(b, draw)).nonzero()
+        if len(hits):
+            return prompts[hits[0, 0], :-1].tolist()
+    raise AssertionError("no prompt whose greedy continuation an n-gram draft predicts: change the seeds")
+
+
 @pytest.mark.timeout(300)
 def test_ngram_speculative_decoding_keeps_greedy_tokens(path, hf, tmp_path):
-    out = tmp_path / "ngram.json"
+    out, prompt = tmp_path / "ngram.json", ngram_prompt(hf)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = run_bounded([sys.executable, "-c", NGRAM_CHILD, str(path), json.dumps(LONG), str(STEPS), str(out)],
+    done = run_bounded([sys.executable, "-c", NGRAM_CHILD, str(path), json.dumps(prompt), str(STEPS), str(out)],
                        timeout=240, env=env, cwd=Path(__file__).resolve().parents[2])     # `tests` importable
     assert done.returncode == 0 and out.exists(), (done.stdout + done.stderr)[-4000:]
     result = json.loads(out.read_text())
-    expected = hf_argmax(hf, LONG, result["tokens"])
+    expected = hf_argmax(hf, prompt, result["tokens"])
     assert result["tokens"] == expected, f"n-gram speculation: vLLM {result['tokens']} != transformers {expected}"
     counts = result["counters"]
     assert counts["vllm:spec_decode_num_drafts"] > 0, "no n-gram draft was proposed: nothing tested"

@@ -13,6 +13,7 @@ import shutil
 import openai
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from attnres.serving.launcher import ServerProcess
 from tests.support.engines import chosen_logprobs, free_llm, make_llm
@@ -77,13 +78,18 @@ def test_adapter_equals_merged_checkpoint(lora, merged_results, tmp_path):
     from vllm.lora.request import LoRARequest
 
     base, adapter, _, expected = lora
-    # An adapter that also claims a pseudo-query (PEFT itself refuses to make one: it is no Linear), as a
-    # hand-edited or foreign adapter would.
+    # An adapter that also carries LoRA weights for a pseudo-query (PEFT itself refuses to make one: it is
+    # no Linear), as a hand-edited or foreign adapter would: vLLM judges an adapter by its tensors.
     bad = tmp_path / "targets-pseudo-query"
     shutil.copytree(adapter, bad)
     config = json.loads((bad / "adapter_config.json").read_text())
     config["target_modules"] = sorted({*config["target_modules"], "mlp_res_proj"})
     (bad / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(bad / "adapter_model.safetensors")
+    hidden = tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"].shape[1]
+    prefix = "base_model.model.model.layers.0.mlp_res_proj"
+    tensors |= {f"{prefix}.lora_A.weight": torch.ones(RANK, hidden), f"{prefix}.lora_B.weight": torch.ones(1, RANK)}
+    save_file(tensors, bad / "adapter_model.safetensors")
     llm = make_llm(base, enforce_eager=True, enable_lora=True, max_lora_rank=RANK, max_loras=1)
     try:
         with_lora = generate(llm, LoRARequest("adapter", 1, str(adapter)))
