@@ -48,8 +48,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AUTO_MAP, SEED_SITE_ALIASES, AttnResConfig
-from .depth_attention import DepthBank, acc, add_to_partial
-from .depth_attention_ops import site_bank, site_mix, site_push
+from .depth_attention import DepthBank, SiteBoundary, acc, add_to_partial
+from .depth_attention_ops import site_bank, site_boundary
 
 # The files `save_pretrained` ships next to the weights (transformers' `custom_object_save` copies this
 # module and its relative imports); `from_pretrained(..., trust_remote_code=True)` runs them.
@@ -107,13 +107,18 @@ class AttnResPseudoQuery(nn.Module):
 
 
 class AttnResDepthMix(nn.Module):
-    """The mixing step of one site (`depth_attention_ops.site_mix`), without parameters of its own: a
-    module so that transformers' output capturing records its weights as `depth_attentions`."""
+    """One sublayer boundary (`depth_attention_ops.site_boundary`: the previous sublayer's output added into
+    the partial, this site's mix, the block store, the next sublayer's RMSNorm), without parameters of its
+    own: a module so that transformers' output capturing records its weights (index 1) as `depth_attentions`."""
 
-    def forward(self, bank: DepthBank, partial: torch.Tensor, proj: nn.Linear, norm: AttnResRMSNorm,
-                keep_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The mix `[*tokens, d]` and, if `keep_weights`, the weights `[*tokens, num_sources]`."""
-        return site_mix(bank, partial, proj.weight, norm.weight, norm.variance_epsilon, keep_weights)
+    def forward(self, bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor | None,
+                proj: AttnResPseudoQuery, key_norm: AttnResRMSNorm, closes_block: bool, norm: AttnResRMSNorm,
+                keep_weights: bool = False) -> tuple[SiteBoundary, torch.Tensor | None]:
+        """The boundary (`.normed` is the next sublayer's input) and, if `keep_weights`, the site's weights
+        `[*tokens, num_sources]`."""
+        boundary = site_boundary(bank, partial, output, proj.weight, key_norm.weight, key_norm.variance_epsilon,
+                                 closes_block, norm.weight, norm.variance_epsilon, keep_weights)
+        return boundary, boundary.weights
 
 
 def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config: AttnResConfig) -> str:
@@ -197,12 +202,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.depth_mix = AttnResDepthMix()
         self.attn_closes_block = config.depth_sites[2 * layer_idx].closes_block
         self.mlp_closes_block = config.depth_sites[2 * layer_idx + 1].closes_block
-        self.eps = config.rms_norm_eps
 
     def forward(
         self,
         bank: DepthBank,
-        partial: torch.Tensor,
+        partial: torch.Tensor | None,
+        output: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
@@ -210,13 +215,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_depth_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[DepthBank, torch.Tensor]:
-        """Returns the new `(bank, partial)`; the sites' weights are recorded when asked."""
-        h, _ = self.depth_mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm,
-                              output_depth_attentions)
-        bank, partial = site_push(bank, partial, self.attn_closes_block, self.eps)
+    ) -> tuple[DepthBank, torch.Tensor | None, torch.Tensor]:
+        """Takes the depth history and the previous sublayer's output, not yet added (`output`; None at
+        layer 0, where `partial` is the embedding); returns the new `(bank, partial, output)`, this layer's
+        MLP output likewise not yet added. The sites' weights are recorded when asked."""
+        boundary, _ = self.depth_mix(bank, partial, output, self.self_attention_res_proj,
+                                     self.self_attention_res_norm, self.attn_closes_block, self.input_layernorm,
+                                     output_depth_attentions)
         h, _ = self.self_attn(
-            hidden_states=self.input_layernorm(h),
+            hidden_states=boundary.normed,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
@@ -224,12 +231,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        partial = add_to_partial(partial, h)
-
-        h, _ = self.depth_mix(bank, partial, self.mlp_res_proj, self.mlp_res_norm, output_depth_attentions)
-        bank, partial = site_push(bank, partial, self.mlp_closes_block, self.eps)
-        partial = add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
-        return bank, partial
+        boundary, _ = self.depth_mix(boundary.bank, boundary.partial, h, self.mlp_res_proj, self.mlp_res_norm,
+                                     self.mlp_closes_block, self.post_attention_layernorm, output_depth_attentions)
+        return boundary.bank, boundary.partial, self.mlp(boundary.normed)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -387,12 +391,13 @@ class AttnResModel(AttnResPreTrainedModel):
         output_depth_attentions = bool(output_depth_attentions)
 
         bank = site_bank(inputs_embeds, self.config)                 # [batch, seq, capacity, d]
-        partial = add_to_partial(None, inputs_embeds)                  # the embedding: block 0
+        partial, output = inputs_embeds, None                          # the embedding (block 0), no output yet
         all_hidden_states = [inputs_embeds] if output_hidden_states else None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            bank, partial = decoder_layer(
+            bank, partial, output = decoder_layer(
                 bank,
                 partial,
+                output,
                 attention_mask=causal_mask,
                 position_ids=position_ids,
                 past_key_values=past_key_values,
@@ -402,11 +407,12 @@ class AttnResModel(AttnResPreTrainedModel):
                 **kwargs,
             )
             if output_hidden_states:
-                all_hidden_states.append((acc(bank.sources).sum(-2) + partial).to(inputs_embeds.dtype))
+                stream = acc(bank.sources).sum(-2) + add_to_partial(partial, output)
+                all_hidden_states.append(stream.to(inputs_embeds.dtype))
 
-        out, _ = self.output_depth_mix(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm,
-                                       output_depth_attentions)
-        hidden_states = self.norm(out)
+        boundary, _ = self.output_depth_mix(bank, partial, output, self.output_attn_res_proj,
+                                            self.output_attn_res_norm, False, self.norm, output_depth_attentions)
+        hidden_states = boundary.normed
         if output_hidden_states:
             all_hidden_states[-1] = hidden_states
         return AttnResModelOutputWithPast(

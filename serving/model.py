@@ -11,7 +11,7 @@ The depth history (the stored sources and the running partial) lives for one for
 hands the model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
 position, so nothing goes into the KV cache, and prefill, decode, chunked prefill and prefix caching
 need nothing extra. The bank is a `DepthBank` allocated by each forward pass with room for every
-source (`start_depth`) and filled in place by `site_push`, as in the transformers model. It must be
+source (`start_depth`) and filled in place at each block-closing boundary (`site_boundary`), as in the transformers model. It must be
 a local of the forward pass and never a module buffer: under `torch.compile` (vLLM's default) an
 in-place write into a module buffer becomes a copy of the whole buffer per write, while a buffer
 created inside the traced forward is written in place (the README has both measurements).
@@ -52,8 +52,8 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from modeling_attnres.configuration_attnres import SEED_SITE_ALIASES, AttnResConfig
-from modeling_attnres.depth_attention import DepthBank, add_to_partial, empty_bank
-from modeling_attnres.depth_attention_ops import site_bank, site_mix, site_push
+from modeling_attnres.depth_attention import DepthBank, SiteBoundary, add_to_partial, empty_bank
+from modeling_attnres.depth_attention_ops import site_bank, site_boundary
 from modeling_attnres.modeling_attnres import check_checkpoint_against_config
 
 logger = init_logger(__name__)
@@ -106,10 +106,13 @@ class AttnResPseudoQuery(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
 
-def mix(bank: DepthBank, partial: torch.Tensor, proj: AttnResPseudoQuery, norm: RMSNorm) -> torch.Tensor:
-    """Mix one site over the stored sources of the bank and the partial `[tokens, d]`."""
-    mixed, _ = site_mix(bank, partial, proj.weight, norm.weight, norm.variance_epsilon)
-    return mixed
+def boundary(bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor | None, proj: AttnResPseudoQuery,
+             key_norm: RMSNorm, closes_block: bool, norm: RMSNorm) -> SiteBoundary:
+    """One sublayer boundary (`depth_attention_ops.site_boundary`): `output` added into the partial, the
+    site's mix, the block store when the site closes one, and `norm` (the next sublayer's RMSNorm) of the
+    mix as `.normed`."""
+    return site_boundary(bank, partial, output, proj.weight, key_norm.weight, key_norm.variance_epsilon,
+                         closes_block, norm.weight, norm.variance_epsilon)
 
 
 class AttnResAttention(LlamaAttention):
@@ -168,19 +171,18 @@ class AttnResDecoderLayer(nn.Module):
         self.mlp_res_norm = RMSNorm(d, eps=eps)
         self.attn_closes_block = config.depth_sites[2 * layer_idx].closes_block
         self.mlp_closes_block = config.depth_sites[2 * layer_idx + 1].closes_block
-        self.eps = eps
 
-    def forward(self, positions: torch.Tensor, bank: DepthBank,
-                partial: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
-        """Mixes both sites; returns the bank (with any block closed here) and the new partial `[tokens, d]`."""
-        h = mix(bank, partial, self.self_attention_res_proj, self.self_attention_res_norm)
-        bank, partial = site_push(bank, partial, self.attn_closes_block, self.eps)
-        h = self.self_attn(positions=positions, hidden_states=self.input_layernorm(h))
-        partial = add_to_partial(partial, h)
-
-        h = mix(bank, partial, self.mlp_res_proj, self.mlp_res_norm)
-        bank, partial = site_push(bank, partial, self.mlp_closes_block, self.eps)
-        return bank, add_to_partial(partial, self.mlp(self.post_attention_layernorm(h)))
+    def forward(self, positions: torch.Tensor, bank: DepthBank, partial: torch.Tensor | None,
+                output: torch.Tensor | None) -> tuple[DepthBank, torch.Tensor | None, torch.Tensor]:
+        """Both boundaries and sublayers. Takes the depth history and the previous sublayer's output, not
+        yet added (None at a stage's first layer); returns the bank (with any block closed here), the
+        partial and this layer's MLP output, likewise not yet added."""
+        b = boundary(bank, partial, output, self.self_attention_res_proj, self.self_attention_res_norm,
+                     self.attn_closes_block, self.input_layernorm)
+        h = self.self_attn(positions=positions, hidden_states=b.normed)
+        b = boundary(b.bank, b.partial, h, self.mlp_res_proj, self.mlp_res_norm, self.mlp_closes_block,
+                     self.post_attention_layernorm)
+        return b.bank, b.partial, self.mlp(b.normed)
 
 
 @support_torch_compile(
@@ -242,12 +244,13 @@ class AttnResModel(nn.Module):
             bank, partial = self.start_depth(embeds)
         else:
             bank, partial = unpack_depth(intermediate_tensors, self.config.depth_sites[-1].num_stored)
+        output = None                                       # the last sublayer's output, not yet in the partial
         for layer in islice(self.layers, self.start_layer, self.end_layer):
-            bank, partial = layer(positions, bank, partial)
+            bank, partial, output = layer(positions, bank, partial, output)
         if not get_pp_group().is_last_rank:
-            return pack_depth(bank, partial)
-        out = mix(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm)
-        return self.norm(out)
+            return pack_depth(bank, partial if output is None else add_to_partial(partial, output))
+        return boundary(bank, partial, output, self.output_attn_res_proj, self.output_attn_res_norm, False,
+                        self.norm).normed
 
     def start_depth(self, embeds: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
         """The depth history before layer 0: an empty bank with room for every source of the schedule,
