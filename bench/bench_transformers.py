@@ -1,25 +1,27 @@
-"""AttnRes vs the same-size Llama in transformers: prefill, decode and peak memory, side by side.
+"""AttnRes vs Llama in transformers, run as users run them (`model.generate()`), with an A/A control.
 
-    python bench/bench_transformers.py                   # the default size (hidden 1024, 16 layers)
-    python bench/bench_transformers.py --hidden-size 256 --num-hidden-layers 4 --repeats 3
-    python bench/bench_transformers.py --model out/smollm2-attnres --source smollm2-llama --accuracy
+    python bench/bench_transformers.py                   # random weights at hidden 1024, 16 layers
+    python bench/bench_transformers.py --hidden-size 256 --num-hidden-layers 4 --repeats 6
+    python bench/bench_transformers.py --smollm2 --accuracy --dtypes bfloat16   # real weights vs their source
 
-By default both models are random and of the same size; with `--model` (an attnres-convert output)
-and `--source` (the folder it was converted from) the real weights, the source in its own
-transformers class. Prefill runs are alternated (AttnRes, Llama, AttnRes, ...), each adjacent pair
-giving a ratio. Decoding runs the two models in lock step, one token each in turn (the order
-swapped every step), so that both see the same machine at the same moment: on a shared CPU the
-drift between whole runs is larger than the effect measured. Each repeat gives a paired
-AttnRes/Llama ratio; the table reports medians. Peak memory is measured in a fresh process per
-model: the peak RSS during the prefill (the process's whole footprint), and the prefill's own peak
-above the RSS it started from (activations and temporary buffers).
+Three models are held at once: AttnRes, the same-size Llama (with `--model` / `--source`, the real
+weights, the source in transformers' own Llama class) and a second instance of that Llama built the
+same way (the A/A control). Every repeat makes fresh random prompts, shared by the three, which then
+run one whole `generate()` call each in the rotating order of `common.rotation` (each model first
+equally often, a linear drift cancelled within each pair of repeats), after an untimed warm-up at the
+timed size; every call must produce the same number of tokens (else the run stops). The table gives
+each model's median time, the median and min-max of the paired AttnRes/Llama ratios and, beside it,
+the same for Llama (A/A)/Llama: two identical models measured the same way, the error bar of the ratio.
 
-`--modes eager cpu-kernel compiled compiled-kernel` adds eager decoding with AttnRes's fused C++ site
-kernel (`modeling_attnres.enable_cpu_kernel()`; Llama runs as in `eager`), the transformers recipe for
-fast decoding (a `StaticCache` and `torch.compile(model.forward, fullgraph=True)`) for both models,
-and that recipe with the kernel called from AttnRes's compiled graph; compiling takes minutes on a CPU.
-`--accuracy` first compares each model's bfloat16 logits with its own float64 logits on the same
-random tokens, AttnRes with each bank dtype (`attn_res_bank_dtype`).
+Workloads: prefill (one `--prefill-tokens` prompt, one new token) and decode (`--decode-batches` x
+`--prompt-tokens` prompts, `--new-tokens` new tokens each, greedy, EOS ignored). Modes: `eager`
+(transformers' default path: sdpa attention, a `DynamicCache`; AttnRes as `from_pretrained` gives it),
+`cpu-kernel` (AttnRes with its opt-in fused C++ site kernel, `modeling_attnres.enable_cpu_kernel()`;
+Llama unchanged) and `compiled` (`generate(..., cache_implementation="static", compile_config=...)`,
+transformers' recipe: it compiles the decoding steps, with CUDA graphs on a GPU; the prefill stays
+eager there, so compiled mode has no prefill row). Peak memory: each model in a fresh process, the
+peak RSS of a prefill and its own peak over the RSS it started from. `--accuracy` first compares each
+model's bfloat16 logits with its own float64 logits, AttnRes with each bank dtype.
 """
 
 import argparse
@@ -27,120 +29,93 @@ import ctypes
 import gc
 import json
 import os
-import statistics
-import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import CompileConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     add_model_arguments,
     add_size_arguments,
-    alternate,
+    balanced,
     build,
     check_model_arguments,
     describe,
+    footer,
+    header,
     markdown_table,
-    synchronize,
+    median_ms,
+    ratios,
+    rotate_runs,
+    run_logged,
+    spread,
 )
 
 from modeling_attnres import enable_cpu_kernel  # noqa: E402
 from modeling_attnres.depth_attention import bank_dtype  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODELS = ("attnres", "llama", "llama-2")        # subject, baseline, A/A control (a second baseline)
+LABELS = {"attnres": "AttnRes", "llama": "Llama", "llama-2": "Llama (A/A)"}
 
 
-def prefill_fn(forward, tokens: torch.Tensor):
-    def run():
+def compile_config(device: str) -> CompileConfig:
+    """transformers' compile settings for `generate`: CUDA graphs (`reduce-overhead`) on a GPU; on a CPU,
+    where `generate` compiles only when told to, Inductor's default mode."""
+    if device.startswith("cuda"):
+        return CompileConfig(fullgraph=True, mode="reduce-overhead")
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def generate_fn(model, mode: str, new_tokens: int, device: str):
+    """One greedy `generate()` call of exactly `new_tokens` tokens per prompt; returns the output ids."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if mode == "compiled":
+        kwargs.update(cache_implementation="static", compile_config=compile_config(device))
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            forward(tokens, use_cache=False, logits_to_keep=1)
+            return model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return run
 
 
-class Decoder:
-    """Greedy decoding of one model, one step per `step()` call. `cache` is a `StaticCache` reused
-    (reset) across runs, so that a compiled forward sees the same cache object and never recompiles;
-    `None` means a fresh `DynamicCache`."""
-
-    def __init__(self, model, forward, prompt: torch.Tensor, cache: StaticCache | None):
-        self.forward = forward
-        with torch.inference_mode():
-            if cache is None:
-                cache = DynamicCache(config=model.config)
-            else:
-                cache.reset()
-            self.cache, self.pos = cache, prompt.shape[1]
-            out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                        cache_position=torch.arange(self.pos, device=prompt.device))
-            self.next = out.logits[:, -1].argmax(-1, keepdim=True)
-
-    def step(self) -> None:
-        with torch.inference_mode():
-            position = torch.tensor([self.pos], device=self.next.device)
-            out = self.forward(self.next, past_key_values=self.cache, use_cache=True, cache_position=position,
-                               position_ids=position.expand(self.next.shape[0], 1))
-            self.next = out.logits[:, -1].argmax(-1, keepdim=True)
-            self.pos += 1
+def random_ids(args, batch: int, tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, args.vocab_size, (batch, tokens), generator=gen).to(args.device)
 
 
-def lockstep_decode(models: dict, forwards: dict, caches: dict, prompt: torch.Tensor,
-                    new_tokens: int) -> dict[str, float]:
-    """Seconds each model spends on `new_tokens` decoding steps, the models taking turns per step."""
-    decoders = {k: Decoder(models[k], forwards[k], prompt, caches[k]) for k in models}
-    seconds = dict.fromkeys(models, 0.0)
-    order = list(models)
-    for i in range(new_tokens):
-        for kind in order if i % 2 == 0 else order[::-1]:
-            synchronize()
-            start = time.perf_counter()
-            decoders[kind].step()
-            synchronize()
-            seconds[kind] += time.perf_counter() - start
-    return seconds
-
-
-def time_decode(models, forwards, prompt, args, static) -> tuple[dict[str, float], float]:
-    """Median seconds per model and the median of the per-repeat paired ratios."""
-    max_len = prompt.shape[1] + args.new_tokens + 1
-    caches = {k: StaticCache(config=m.config, max_cache_len=max_len) if static else None for k, m in models.items()}
-    lockstep_decode(models, forwards, caches, prompt, 4)                       # warm-up (and compile)
-    runs = [lockstep_decode(models, forwards, caches, prompt, args.new_tokens) for _ in range(args.repeats)]
-    med = {k: statistics.median(r[k] for r in runs) for k in models}
-    return med, statistics.median(r["attnres"] / r["llama"] for r in runs)
-
-
-def time_workloads(args, dtype_name: str, mode: str) -> list[list]:
-    dtype = DTYPES[dtype_name]
-    models = {kind: build(kind, args, dtype, device=args.device) for kind in ("attnres", "llama")}
-    if args.bank_dtype:
-        models["attnres"].config.attn_res_bank_dtype = args.bank_dtype
-    compiled = mode in ("compiled", "compiled-kernel")
-    enable_cpu_kernel(mode in ("cpu-kernel", "compiled-kernel"), compiled=mode == "compiled-kernel")  # AttnRes only
-    forwards = {k: torch.compile(m.forward, fullgraph=True, dynamic=False) if compiled else m
-                for k, m in models.items()}
-    gen = torch.Generator().manual_seed(0)
+def time_mode(args, models: dict, dtype_name: str, mode: str) -> list[list]:
+    """The rows of one dtype and mode: prefill (not in compiled mode) and each decode batch."""
+    enable_cpu_kernel(mode == "cpu-kernel")                             # AttnRes only: Llama never calls it
+    shapes = [] if mode == "compiled" else [("prefill", 1, args.prefill_tokens, 1)]
+    shapes += [("decode", b, args.prompt_tokens, args.new_tokens) for b in args.decode_batches]
     rows = []
-    tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), generator=gen).to(args.device)
-    runs = {k: prefill_fn(f, tokens) for k, f in forwards.items()}
-    paired = []
-    med = alternate(runs, args.repeats, paired=paired)
-    ratio = statistics.median(r["attnres"] / r["llama"] for r in paired)
-    rows.append(row(f"prefill 1x{args.prefill_tokens}", dtype_name, mode, med, ratio, args.prefill_tokens))
-    for batch in args.decode_batches:
-        prompt = torch.randint(0, args.vocab_size, (batch, args.prompt_tokens), generator=gen).to(args.device)
-        med, ratio = time_decode(models, forwards, prompt, args, static=compiled)
-        rows.append(row(f"decode {batch}x{args.new_tokens} (prompt {args.prompt_tokens})", dtype_name, mode, med,
-                        ratio, batch * args.new_tokens))
+    for index, (kind, batch, tokens, new) in enumerate(shapes):
+        runners = {k: generate_fn(m, mode, new, args.device) for k, m in models.items()}
+
+        def inputs(repeat: int, batch=batch, tokens=tokens, index=index) -> torch.Tensor:
+            return random_ids(args, batch, tokens, 1000 * index + repeat)
+
+        runs = rotate_runs(runners, inputs, args.repeats, count=lambda out: tuple(out.shape))
+        name = f"prefill 1x{tokens}" if kind == "prefill" else f"decode {batch}x{new} (prompt {tokens})"
+        rows.append([name, dtype_name, mode, *(median_ms(runs, k) for k in MODELS),
+                     spread(ratios(runs, "attnres", "llama")), spread(ratios(runs, "llama-2", "llama")), len(runs)])
+    enable_cpu_kernel(False)
     return rows
 
 
-def row(name, dtype_name, mode, med, ratio, tokens):
-    a, l = med["attnres"], med["llama"]
-    return [name, dtype_name, mode, f"{a * 1e3:.1f}", f"{l * 1e3:.1f}", f"{tokens / a:.1f}", f"{tokens / l:.1f}",
-            f"**{ratio:.3f}**"]
+def build_models(args, dtype: torch.dtype) -> dict:
+    """AttnRes, Llama and a second Llama (the same weights, its own tensors), eval mode."""
+    models = {kind: build(kind.removesuffix("-2"), args, dtype, device=args.device) for kind in MODELS}
+    if args.bank_dtype:
+        models["attnres"].config.attn_res_bank_dtype = args.bank_dtype
+    return models
 
 
 def _status_mib(field: str) -> float:
@@ -150,61 +125,73 @@ def _status_mib(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def memory_probe(args) -> None:
-    """In a fresh process: build one model, run the prefill, print the peak RSS of the whole process and
-    the peak of the prefill alone over the RSS it started from (MiB).
+def memory_probe(args) -> dict:
+    """In a fresh process: one model, a prefill; the peak RSS of the whole process and the peak of the
+    prefill alone over the RSS it started from (MiB).
 
-    Loading peaks higher than a short prefill, so the process's lifetime peak (`ru_maxrss`) would hide
-    the prefill. A first prefill pages in the weights (a checkpoint is memory-mapped) and the kernels'
+    Loading peaks higher than a short prefill, so the lifetime peak (`ru_maxrss`) would hide the
+    prefill. A first prefill pages in the weights (a checkpoint is memory-mapped) and the kernels'
     one-time state; then freed memory is returned to the system (`malloc_trim`) and the kernel's
     high-water mark is reset (`/proc/self/clear_refs`), so that `VmHWM` is the second prefill's peak."""
     torch.set_num_threads(args.threads)
-    model = build(args.memory_probe, args, DTYPES[args.dtype])
+    model = build(args.memory_probe.removesuffix("-2"), args, DTYPES[args.dtype])
     tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens))
-    prefill_fn(model, tokens)()
+    run = generate_fn(model, "eager", 1, "cpu")
+    run(tokens)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")                                                 # VmHWM := VmRSS
     start = _status_mib("VmRSS")
-    prefill_fn(model, tokens)()
-    peak = _status_mib("VmHWM")
-    print(json.dumps({"start_mib": start, "peak_mib": peak}))
+    run(tokens)
+    return {"start_mib": start, "peak_mib": _status_mib("VmHWM")}
 
 
 def memory_rows(args) -> list[list]:
+    """Per dtype: each model's probe in its own process, one after the other."""
     rows = []
     for dtype_name in args.dtypes:
         res = {}
-        for kind in ("attnres", "llama"):
-            cmd = [sys.executable, __file__, "--memory-probe", kind, "--dtype", dtype_name] + sys.argv[1:]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
-            res[kind] = json.loads(out.strip().splitlines()[-1])
-        a, l = res["attnres"], res["llama"]
-        a_act, l_act = a["peak_mib"] - a["start_mib"], l["peak_mib"] - l["start_mib"]
-        rows.append([f"peak RSS, prefill 1x{args.prefill_tokens}", dtype_name, f"{a['peak_mib']:.0f}",
-                     f"{l['peak_mib']:.0f}", f"{a_act:.1f}", f"{l_act:.1f}", f"**{a['peak_mib'] / l['peak_mib']:.3f}**",
-                     f"**{a_act / l_act:.2f}**" if l_act > 0 else "-"])
+        with tempfile.TemporaryDirectory(prefix="attnres-bench-memory-") as tmp:
+            for kind in MODELS:
+                out, log = Path(tmp) / f"{kind}.json", Path(tmp) / f"{kind}.log"
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--memory-probe", kind, "--dtype", dtype_name,
+                       "--probe-out", str(out)]
+                code = run_logged(cmd, log, timeout=1800)
+                if code != 0 or not out.exists():
+                    raise RuntimeError(f"memory probe of {kind} failed ({code}):\n{log.read_text()[-4000:]}")
+                res[kind] = json.loads(out.read_text())
+        peak = {k: v["peak_mib"] for k, v in res.items()}
+        own = {k: v["peak_mib"] - v["start_mib"] for k, v in res.items()}
+        rows.append([f"peak RSS, prefill 1x{args.prefill_tokens}", dtype_name,
+                     *(f"{peak[k]:.0f}" for k in MODELS), *(f"{own[k]:.1f}" for k in MODELS),
+                     f"**{peak['attnres'] / peak['llama']:.3f}**", f"**{peak['llama-2'] / peak['llama']:.3f}**",
+                     f"**{own['attnres'] / own['llama']:.2f}**" if own["llama"] > 0 else "-",
+                     f"**{own['llama-2'] / own['llama']:.2f}**" if own["llama"] > 0 else "-"])
     return rows
 
 
 def cuda_memory_rows(args) -> list[list]:
-    """Peak allocated GPU memory of the prefill, per model and dtype (one model on the GPU at a time)."""
+    """Peak allocated GPU memory of a prefill, per model and dtype (one model on the GPU at a time)."""
     rows = []
     for dtype_name in args.dtypes:
         res = {}
-        for kind in ("attnres", "llama"):
+        for kind in MODELS:
             torch.cuda.empty_cache()
-            model = build(kind, args, DTYPES[dtype_name], device=args.device)
+            model = build(kind.removesuffix("-2"), args, DTYPES[dtype_name], device=args.device)
+            torch.cuda.synchronize()
             built = torch.cuda.memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
-            tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens), device=args.device)
-            prefill_fn(model, tokens)()
+            generate_fn(model, "eager", 1, args.device)(random_ids(args, 1, args.prefill_tokens, 7))
+            torch.cuda.synchronize()
             res[kind] = (torch.cuda.max_memory_allocated() / 2**20, built)
             del model
-        (a, a0), (l, l0) = res["attnres"], res["llama"]
-        rows.append([f"peak allocated, prefill 1x{args.prefill_tokens}", dtype_name, f"{a:.0f}", f"{l:.0f}",
-                     f"{a - a0:.0f}", f"{l - l0:.0f}", f"**{a / l:.3f}**"])
+        peak = {k: v[0] for k, v in res.items()}
+        own = {k: v[0] - v[1] for k, v in res.items()}
+        rows.append([f"peak allocated, prefill 1x{args.prefill_tokens}", dtype_name,
+                     *(f"{peak[k]:.0f}" for k in MODELS), *(f"{own[k]:.1f}" for k in MODELS),
+                     f"**{peak['attnres'] / peak['llama']:.3f}**", f"**{peak['llama-2'] / peak['llama']:.3f}**",
+                     f"**{own['attnres'] / own['llama']:.2f}**", f"**{own['llama-2'] / own['llama']:.2f}**"])
     return rows
 
 
@@ -248,19 +235,18 @@ def parse_args(argv=None):
                         help="first: bfloat16 vs float64 logit error of each model (and each bank dtype)")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", default=["eager"],
-                        choices=("eager", "cpu-kernel", "compiled", "compiled-kernel"),
-                        help="eager; eager with AttnRes's fused CPU site kernel; StaticCache + "
-                             "torch.compile(fullgraph=True) for both models; the same with the kernel "
-                             "(the compiled graph calls it as the custom op attnres::mix_site)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES))
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "cpu-kernel", "compiled"),
+                        help="eager: transformers' default path; cpu-kernel: AttnRes with its fused C++ site "
+                             "kernel; compiled: generate() with a static cache and transformers' compile_config")
+    parser.add_argument("--repeats", type=int, default=12, help="paired repeats (a multiple of 6 is balanced)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
-    parser.add_argument("--memory-probe", choices=("attnres", "llama"), help=argparse.SUPPRESS)
+    parser.add_argument("--memory-probe", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-out", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_model_arguments(parser, args)
@@ -270,25 +256,41 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.memory_probe:
-        return memory_probe(args)
+        Path(args.probe_out).write_text(json.dumps(memory_probe(args)))
+        return
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads; {describe(args)}\n")
+    settings = {"dtypes": ", ".join(args.dtypes), "modes": ", ".join(args.modes),
+                "bank dtype": args.bank_dtype or "from the config", "attention": "sdpa", "device": args.device,
+                "repeats": f"{args.repeats} in rotating order ("
+                           f"{'balanced' if balanced(args.repeats, 3) else 'not a multiple of 6: unbalanced'})",
+                "prompts": "fresh random token ids every repeat, shared by the three models; warm-up at the timed "
+                           "size", "timed": "one whole generate() call"}
+    print(header(f"transformers, AttnRes / Llama with an A/A control: {describe(args)}", settings) + "\n")
     if args.accuracy:
         print(markdown_table(["model", "attn_res_bank_dtype", "bank kept in", "max |logit error|", "RMS error",
-                              "relative error",
-                              "top-1 agreement"], accuracy_rows(args)))
+                              "relative error", "top-1 agreement"], accuracy_rows(args)))
         print("\n(bfloat16 vs the same model in float64, 4 x 64 random tokens; AttnRes with the CPU kernel)\n")
-    rows = [r for mode in args.modes for dtype_name in args.dtypes for r in time_workloads(args, dtype_name, mode)]
-    print(markdown_table(["workload", "dtype", "mode", "AttnRes ms", "Llama ms", "AttnRes tok/s", "Llama tok/s",
-                          "ratio"], rows))
-    if args.device.startswith("cuda") and not args.no_memory:
+    rows, wall, cpu = [], 0.0, 0.0
+    for dtype_name in args.dtypes:
+        models = build_models(args, DTYPES[dtype_name])
+        for mode in args.modes:
+            wall, cpu = wall - time.perf_counter(), cpu - time.process_time()
+            rows += time_mode(args, models, dtype_name, mode)
+            wall, cpu = wall + time.perf_counter(), cpu + time.process_time()
+        del models
+    share = cpu / wall / args.threads
+    print(markdown_table(["workload", "dtype", "mode", *(f"{LABELS[k]} ms" for k in MODELS),
+                          "AttnRes / Llama (median, min-max)", "A/A: Llama (A/A) / Llama (median, min-max)",
+                          "pairs"], rows))
+    print(f"\nCPU share of the timing (process CPU time / wall time / threads; 100 % = the cores to itself): "
+          f"{100 * share:.0f} %")
+    if not args.no_memory:
+        memory = cuda_memory_rows(args) if args.device.startswith("cuda") else memory_rows(args)
         print()
-        print(markdown_table(["memory", "dtype", "AttnRes MiB", "Llama MiB", "AttnRes act. MiB",
-                              "Llama act. MiB", "ratio"], cuda_memory_rows(args)))
-    elif not args.no_memory:
-        print()
-        print(markdown_table(["memory", "dtype", "AttnRes MiB", "Llama MiB", "AttnRes act. MiB",
-                              "Llama act. MiB", "ratio", "prefill's own ratio"], memory_rows(args)))
+        print(markdown_table(["memory", "dtype", *(f"{LABELS[k]} MiB" for k in MODELS),
+                              *(f"{LABELS[k]} prefill's own MiB" for k in MODELS), "AttnRes / Llama",
+                              "A/A", "prefill's own: AttnRes / Llama", "prefill's own: A/A"], memory))
+    print(footer())
 
 
 if __name__ == "__main__":

@@ -1,39 +1,265 @@
-"""vLLM offline throughput: the AttnRes plugin vs vLLM's own Llama, and vs transformers `generate()`.
+"""vLLM offline: the AttnRes plugin against vLLM's own Llama on the same weights, with an A/A control.
 
-    python bench/bench_vllm.py                          # default size, 64 prompts x 128 new tokens
-    python bench/bench_vllm.py --hidden-size 256 --num-hidden-layers 4 --prompts 16 --new-tokens 32
-    python bench/bench_vllm.py --model out/smollm2-attnres --source smollm2-llama --dtype bfloat16
+    python bench/bench_vllm.py --smollm2 --dtype bfloat16            # real weights (built on first use)
+    python bench/bench_vllm.py --model OUT --source SRC              # any attnres-convert output vs its source
+    python bench/bench_vllm.py --hidden-size 256 --num-hidden-layers 4 --prefill-tokens 512 --decode-batches 1 8
+    python bench/bench_vllm.py --compare transformers-backend --smollm2   # the plugin vs vLLM's Transformers backend
 
-By default both models are random, same dimensions, saved once to a temporary folder; with `--model`
-(an attnres-convert output) and `--source` (the folder it was converted from) the real weights, the
-source served by vLLM's own Llama. Two workloads: `decode` (`--prompts` x `--prompt-tokens`, then
-`--new-tokens` generated) and `prefill` (`--prompts` x `--prefill-tokens`, one new token). One process holds both
-vLLM engines (in-process engine cores) and times `LLM.generate` over all prompts for each in turn,
-the order swapped every repeat, so that each repeat gives a paired AttnRes/Llama ratio measured under
-the same machine conditions (between separate processes this shared CPU drifts by 10-20 %). Engine
-start-up (loading and compilation) is reported in its own column and, like a warm-up batch, kept
-out of the timings; for cold compile times, run with `VLLM_DISABLE_COMPILE_CACHE=1
-TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0`. transformers `generate()` runs in
-its own process on the same prompts.
+Three engines live in one process (in-process engine cores): the subject (the AttnRes plugin), the
+baseline (vLLM's own Llama on the source weights) and the A/A control (a second baseline engine on the
+same weights). `--compare transformers-backend` makes vLLM's Transformers backend on the AttnRes
+checkpoint the subject and the plugin the baseline (twice). Every ratio is printed next to the A/A
+ratio (control / baseline, measured the same way): what separates two engines that do exactly the same
+work is the error bar of the ratio beside it.
+
+The rules, each against a way the numbers have misled before:
+- prefix caching off, and fresh random prompts in every repeat (the engines of one repeat share them):
+  a repeated prompt would be served from the cache;
+- the engines of a repeat run in a rotating order (`common.rotation`: each one first equally often);
+- the construction order is swapped between two processes run one after the other (`--build-order
+  both`, the default: subject, baseline, control, then control, baseline, subject), and their pairs
+  pooled: which engine is built first moved a ratio by ~4 % in an A/A control;
+- the warm-up runs each workload once per engine at the timed size;
+- the prompt and generated token counts of every engine are compared in every repeat (a mismatch
+  stops the run);
+- versions, machine (CPU model, AMX), load and every setting are printed with the tables.
+
+Workloads (each list may be given empty): prefill of one `--prefill-tokens` prompt (1 new token,
+chunked in steps of `--max-num-batched-tokens`; timed: the whole request); decode of `--decode-batches`
+prompts of `--decode-context` tokens and of `--long-decode-batches` prompts of `--long-context` tokens,
+`--new-tokens` each (timed: from the last request's first token to the last token, the engine's own
+timestamps, so the prefill is left out). The memory table gives per model the bytes of AttnRes's bank
+per token (stored sources x (hidden x bank dtype + a float32 inverse RMS)), the peak memory growth of
+one prefill step (RSS on a CPU, allocated memory on a GPU) and the KV cache capacity in tokens, both
+for the `--kv-cache-bytes` budget and as vLLM sizes it itself (memory profiling, each model alone in a
+fresh process; `--no-kv-profile` skips it).
 """
 
 import argparse
+import ctypes
+import gc
 import json
 import os
+import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_model_arguments, add_size_arguments, build, check_model_arguments, describe, markdown_table  # noqa: E402,E501
+from common import (  # noqa: E402
+    add_model_arguments,
+    add_size_arguments,
+    balanced,
+    build,
+    check_equal_work,
+    check_model_arguments,
+    describe,
+    footer,
+    header,
+    markdown_table,
+    rotation,
+    run_logged,
+    spread,
+)
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+COMPILE = {"eager": None, "dynamo": {"mode": 2, "backend": "eager"}, "inductor": {}}
+COMPILE_NAMES = {"eager": "eager (enforce_eager)", "dynamo": 'Dynamo only ({"mode": 2, "backend": "eager"}, '
+                 "what `make serve` runs)", "inductor": "vLLM's default compilation (Inductor)"}
+# name: (subject, baseline, control); the control is a second engine of the baseline.
+COMPARISONS = {"llama": ("attnres", "llama", "llama-2"),
+               "transformers-backend": ("transformers-backend", "plugin", "plugin-2")}
+LABELS = {"attnres": "AttnRes", "llama": "Llama", "llama-2": "Llama (A/A)",
+          "transformers-backend": "Transformers backend", "plugin": "plugin", "plugin-2": "plugin (A/A)"}
+LOG_TAIL = 6000
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`prompts` prompts of `prompt_tokens` random tokens, `new_tokens` generated each."""
+
+    kind: str            # "prefill" (timed: whole requests) or "decode" (timed: the decode phase)
+    prompts: int
+    prompt_tokens: int
+    new_tokens: int
+
+    @property
+    def name(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill 1 x {self.prompt_tokens}"
+        return f"decode {self.prompts} x {self.new_tokens} (context {self.prompt_tokens})"
+
+    @property
+    def length(self) -> int:
+        return self.prompt_tokens + self.new_tokens
+
+
+def workloads(args) -> list[Workload]:
+    """The selected workloads, in the order they run."""
+    found = [Workload("prefill", 1, n, 1) for n in args.prefill_tokens]
+    found += [Workload("decode", b, args.decode_context, args.new_tokens) for b in args.decode_batches]
+    found += [Workload("decode", b, args.long_context, args.new_tokens) for b in args.long_decode_batches]
+    return found
+
+
+def engine_specs(args, paths: dict[str, Path]) -> dict[str, dict]:
+    """`{name: {"path", "kwargs"}}` of the subject, the baseline and the control."""
+    subject, baseline, control = COMPARISONS[args.compare]
+    common = dict(dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_bytes, seed=0, enable_prefix_caching=False,
+                  skip_tokenizer_init=True, disable_log_stats=False)
+    if args.max_num_batched_tokens:
+        common["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.compile == "eager":
+        common["enforce_eager"] = True
+    else:
+        common["compilation_config"] = COMPILE[args.compile]
+    bank = {"hf_overrides": {"attn_res_bank_dtype": args.bank_dtype}} if args.bank_dtype else {}
+    if args.compare == "llama":
+        specs = {subject: (paths["attnres"], bank), baseline: (paths["llama"], {}), control: (paths["llama"], {})}
+    else:
+        backend = dict(bank, model_impl="transformers", trust_remote_code=True)
+        specs = {subject: (paths["attnres"], backend), baseline: (paths["attnres"], bank),
+                 control: (paths["attnres"], bank)}
+    return {name: {"path": str(path), "kwargs": {**common, **extra}} for name, (path, extra) in specs.items()}
+
+
+def prompt_ids(vocab: int, count: int, tokens: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `tokens` random ids (special tokens at the bottom of the vocabulary left out)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(tokens)] for _ in range(count)]
+
+
+def vm_mib(field: str) -> float:
+    """A `/proc/self/status` memory field (`VmRSS`, `VmHWM`) in MiB."""
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith(field + ":")).split()[1]) / 1024
+
+
+def step_peak_mib(llm, prompts, params) -> float:
+    """The memory one `generate` call adds at its peak: allocated CUDA memory on a GPU, else the RSS
+    high-water mark over the RSS it started from (freed memory returned first, the mark reset)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - start) / 2**20
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")                                                  # VmHWM := VmRSS
+    start = vm_mib("VmRSS")
+    llm.generate(prompts, params, use_tqdm=False)
+    return vm_mib("VmHWM") - start
+
+
+def kv_tokens(llm) -> int:
+    """The KV cache capacity in tokens, as the engine sized it."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return int(cache.num_gpu_blocks * cache.block_size)
+
+
+def timed_generate(llm, work: Workload, prompts, params) -> dict:
+    """One `generate` call: seconds of the timed part, the tokens processed, and the call's wall and
+    process CPU seconds (their ratio says how much of the cores the benchmark got: other jobs on the
+    machine show as a share well below the thread count)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    timed = wall
+    if work.kind == "decode":                  # engine timestamps: from the last first token to the last token
+        timed = max(o.metrics.last_token_ts for o in outputs) - max(o.metrics.first_token_ts for o in outputs)
+    return {"seconds": timed, "wall": wall, "cpu": cpu, "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+            "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+
+
+def run_engines(plan: dict) -> dict:
+    """In a fresh process: the engines built in `plan["order"]`, then per workload a warm-up of each at
+    the timed size and `plan["repeats"]` repeats in rotating order on fresh prompts; the token counts
+    of the engines compared in every repeat; one more prefill per engine for its memory peak."""
+    from vllm import LLM, SamplingParams
+
+    engines, startup, kv = {}, {}, {}
+    for name in plan["order"]:
+        spec = plan["engines"][name]
+        start = time.perf_counter()
+        engines[name] = LLM(model=spec["path"], max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"],
+                            **spec["kwargs"])
+        startup[name] = time.perf_counter() - start                     # loading + compilation
+        kv[name] = kv_tokens(engines[name])
+    scheduler = engines[plan["order"][0]].llm_engine.vllm_config.scheduler_config
+    results, peaks = {}, {}
+    for index, fields in enumerate(plan["workloads"]):
+        work = Workload(**fields)
+        params = SamplingParams(max_tokens=work.new_tokens, min_tokens=work.new_tokens, ignore_eos=True,
+                                temperature=0.0, detokenize=False)
+
+        def prompts(repeat: int, work=work, index=index):
+            seed = plan["seed"] + 100_000 * index + repeat + 1
+            return [{"prompt_token_ids": ids}
+                    for ids in prompt_ids(plan["vocab"], work.prompts, work.prompt_tokens, seed)]
+
+        batch = prompts(-1)
+        for name in rotation(list(engines), 0):                          # warm-up at the timed size
+            engines[name].generate(batch, params, use_tqdm=False)
+        runs = []
+        for repeat in range(plan["repeats"]):
+            batch, run = prompts(repeat), {}
+            for name in rotation(list(engines), repeat):
+                run[name] = timed_generate(engines[name], work, batch, params)
+            check_equal_work({k: (v["prompt_tokens"], v["generated_tokens"]) for k, v in run.items()},
+                             f"{work.name}, repeat {repeat} of the {plan['label']} build order")
+            runs.append(run)
+            print(f"bench_vllm: {work.name}, repeat {repeat + 1}/{plan['repeats']}: "   # progress, in the log
+                  + ", ".join(f"{k} {v['seconds']:.3f} s" for k, v in run.items()), file=sys.stderr, flush=True)
+        results[work.name] = runs
+        if work.kind == "prefill" and not peaks:
+            batch = prompts(plan["repeats"])
+            peaks = {name: step_peak_mib(engines[name], batch, params) for name in engines}
+    import torch
+
+    return {"order": plan["order"], "label": plan["label"], "startup": startup, "kv_tokens": kv, "peak_mib": peaks,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens, "workloads": results,
+            "threads": torch.get_num_threads()}
+
+
+def profile_kv(plan: dict) -> dict:
+    """In a fresh process: one engine alone, the KV cache sized by vLLM itself (memory profiling)."""
+    from vllm import LLM
+
+    spec = plan["engines"][plan["engine"]]
+    kwargs = {k: v for k, v in spec["kwargs"].items() if k != "kv_cache_memory_bytes"}
+    if plan["gpu_memory_utilization"]:
+        kwargs["gpu_memory_utilization"] = plan["gpu_memory_utilization"]
+    llm = LLM(model=spec["path"], max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"], **kwargs)
+    return {"kv_tokens": kv_tokens(llm)}
+
+
+def child(plan: dict, log_dir: Path) -> dict:
+    """Run `plan` in a fresh interpreter (one at a time: never two engine processes at once); its vLLM
+    logs go to a file, whose tail is raised with the error if the child fails."""
+    name = plan["label"] if plan["task"] == "engines" else f"kv-{plan['engine']}"
+    plan_path, out_path, log_path = (log_dir / f"{name}.{ext}" for ext in ("plan.json", "result.json", "log"))
+    plan_path.write_text(json.dumps(plan))
+    env = {**os.environ, **ENV}
+    if plan["task"] == "kv":
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)                       # it would override the profiling
+    returncode = run_logged([sys.executable, __file__, "--child", str(plan_path), str(out_path)], log_path,
+                            plan["timeout"], env=env)
+    if returncode != 0 or not out_path.exists():
+        why = "timed out" if returncode is None else f"exit {returncode}"
+        raise RuntimeError(f"{name} failed ({why}):\n{log_path.read_text()[-LOG_TAIL:]}")
+    return json.loads(out_path.read_text())
 
 
 def write_models(args, root: Path) -> dict[str, Path]:
+    """The checkpoint folders: `--model` / `--source`, else random same-size models saved under `root`."""
     import torch
 
     if args.model:
@@ -47,131 +273,214 @@ def write_models(args, root: Path) -> dict[str, Path]:
     return paths
 
 
-def prompt_ids(args, tokens: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(0)
-    return [[rng.randrange(3, args.vocab_size) for _ in range(tokens)] for _ in range(args.prompts)]
-
-
-def workload(args, name: str) -> tuple[list[dict], int]:
-    """The prompts and the number of new tokens of a workload."""
-    tokens, new = (args.prompt_tokens, args.new_tokens) if name == "decode" else (args.prefill_tokens, 1)
-    return [{"prompt_token_ids": ids} for ids in prompt_ids(args, tokens)], new
-
-
-def run_vllm(args) -> dict:
-    """In a fresh process: both engines, a warm-up each, then `--repeats` alternating timed batches."""
-    from vllm import LLM, SamplingParams
-
-    paths = dict(zip(("attnres", "llama"), args.probe_path.split(os.pathsep)))
-    engines, startup = {}, {}
-    max_len = max(args.prompt_tokens + args.new_tokens, args.prefill_tokens + 1) + 8
-    for kind, path in paths.items():
-        overrides = {"attn_res_bank_dtype": args.bank_dtype} if kind == "attnres" and args.bank_dtype else None
-        start = time.perf_counter()
-        engines[kind] = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                            kv_cache_memory_bytes=args.kv_cache_bytes, max_model_len=max_len, seed=0,
-                            hf_overrides=overrides)
-        startup[kind] = time.perf_counter() - start                   # loading + compilation
-    results = {}
-    for name in args.workloads:
-        prompts, new = workload(args, name)
-        params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=0.0, detokenize=False)
-        for llm in engines.values():
-            llm.generate(prompts[:2], params, use_tqdm=False)
-        runs = []
-        for repeat in range(args.repeats):
-            run = {}
-            for kind in list(engines) if repeat % 2 == 0 else list(engines)[::-1]:
-                start = time.perf_counter()
-                outputs = engines[kind].generate(prompts, params, use_tqdm=False)
-                run[kind] = {"seconds": time.perf_counter() - start,
-                             "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
-            runs.append(run)
-        results[name] = runs
-    return {"workloads": results, "startup": startup}
-
-
-def run_transformers(args) -> dict:
-    """In a fresh process: transformers `generate()` on the same prompts, one padded batch."""
+def bank_bytes_per_token(path: Path, args, engine: str) -> tuple[int, str]:
+    """Bytes AttnRes's bank holds per token in `engine`, and its dtype: every stored source (the schedule's
+    `depth_sites[-1].num_stored`) at hidden x the bank dtype, plus a float32 inverse RMS. The plugin
+    decides the dtype from the config alone; the Transformers backend runs the transformers model, whose
+    eager CPU path keeps a float32 bank (`depth_attention_ops.site_bank`)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    import modeling_attnres  # noqa: F401  (registers the Auto classes)
+    from modeling_attnres import AttnResConfig
+    from modeling_attnres.depth_attention import bank_dtype
 
-    model = AutoModelForCausalLM.from_pretrained(args.probe_path, dtype=getattr(torch, args.dtype)).eval()
-    ids = torch.tensor(prompt_ids(args, args.prompt_tokens))
-    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=2, do_sample=False, pad_token_id=0)
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": int((out.shape[1] - ids.shape[1]) * out.shape[0])}
+    config = AttnResConfig.from_pretrained(path)
+    choice = args.bank_dtype or config.attn_res_bank_dtype
+    fused = engine != "transformers-backend" or args.compile != "eager" or torch.cuda.is_available()
+    dtype = bank_dtype(choice if fused else "float32", getattr(torch, args.dtype))
+    stored = config.depth_sites[-1].num_stored
+    return stored * (config.hidden_size * dtype.itemsize + 4), str(dtype).removeprefix("torch.")
 
 
-def probe(engine: str, path: str, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--probe", engine, "--probe-path", path] + argv
-    done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"{engine} probe failed on {path}:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def max_positions(path: Path) -> int:
+    from transformers import AutoConfig
+
+    import modeling_attnres  # noqa: F401  (registers the AttnRes config)
+
+    return AutoConfig.from_pretrained(path).max_position_embeddings
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.probe:
-        print(json.dumps(run_vllm(args) if args.probe == "vllm" else run_transformers(args)))
-        return
-    with tempfile.TemporaryDirectory(prefix="attnres-bench-") as tmp:
-        paths = write_models(args, Path(tmp))
-        vllm = probe("vllm", os.pathsep.join(str(paths[k]) for k in ("attnres", "llama")), argv)
-        hf = None if args.skip_transformers else probe("transformers", str(paths["attnres"]), argv)
-    mode = "eager" if args.enforce_eager else "compiled"
-    print(f"{describe(args)}; {args.dtype}, vLLM {mode}, bank dtype {args.bank_dtype or 'from the config'}; "
-          f"{args.repeats} alternating repeats\n")
+def measure(args, paths: dict[str, Path], work: list[Workload], log_dir: Path) -> tuple[list[dict], dict]:
+    """The engine processes (one per build order, one after the other), then the KV profiling ones."""
+    specs = engine_specs(args, paths)
+    subject, baseline, control = COMPARISONS[args.compare]
+    orders = {"forward": [subject, baseline, control], "reverse": [control, baseline, subject]}
+    labels = ["forward", "reverse"] if args.build_order == "both" else [args.build_order]
+    per_order = -(-args.repeats // len(labels))
+    base = dict(engines=specs, max_model_len=max(w.length for w in work) + 8,
+                max_num_seqs=max(w.prompts for w in work), vocab=args.vocab_size, timeout=args.timeout)
+    runs = [child(dict(base, task="engines", label=label, order=orders[label], repeats=per_order,
+                       seed=1_000_000 * (i + 1), workloads=[asdict(w) for w in work]), log_dir)
+            for i, label in enumerate(labels)]
+    kv = {}
+    if args.kv_profile:
+        for name in (subject, baseline):
+            try:
+                kv[name] = child(dict(base, task="kv", engine=name, label=name,
+                                      gpu_memory_utilization=args.gpu_memory_utilization), log_dir)["kv_tokens"]
+            except RuntimeError as err:
+                kv[name] = "failed: " + str(err).splitlines()[0][:200]
+    return runs, kv
+
+
+def timing_rows(args, runs: list[dict], work: list[Workload]) -> list[list]:
+    subject, baseline, control = COMPARISONS[args.compare]
     rows = []
-    for name, runs in vllm["workloads"].items():
-        seconds = {k: statistics.median(r[k]["seconds"] for r in runs) for k in ("attnres", "llama")}
-        ratios = [r["attnres"]["seconds"] / r["llama"]["seconds"] for r in runs]
-        prompts, new = workload(args, name)
-        shape = f"{name}, {len(prompts)} x {len(prompts[0]['prompt_token_ids'])} tokens -> {new} new"
-        rows.append([shape, f"{seconds['attnres']:.2f}", f"{seconds['llama']:.2f}",
-                     f"**{statistics.median(ratios):.3f}**", f"{min(ratios):.3f}-{max(ratios):.3f}"])
-    print(markdown_table(["workload", "AttnRes s", "Llama s", "time ratio AttnRes/Llama (median)",
-                          "paired repeats min-max"], rows))
-    print(f"\nengine start-up (loading + compilation): AttnRes {vllm['startup']['attnres']:.0f} s, "
-          f"Llama {vllm['startup']['llama']:.0f} s")
-    if hf and "decode" in vllm["workloads"]:
-        runs = vllm["workloads"]["decode"]
-        seconds = statistics.median(r["attnres"]["seconds"] for r in runs)
-        speedup = (runs[0]["attnres"]["tokens"] / seconds) / (hf["tokens"] / hf["seconds"])
-        print(f"vLLM vs transformers generate() on AttnRes, decode (tok/s): **{speedup:.2f}x**")
+    for w in work:
+        pooled = [run for r in runs for run in r["workloads"][w.name]]
+        first = pooled[0][subject]
+        seconds = {k: statistics.median(run[k]["seconds"] for run in pooled) for k in (subject, baseline, control)}
+        by_order = []
+        for r in runs:
+            mine = r["workloads"][w.name]
+            ratio = statistics.median(run[subject]["seconds"] / run[baseline]["seconds"] for run in mine)
+            aa = statistics.median(run[control]["seconds"] / run[baseline]["seconds"] for run in mine)
+            by_order.append(f"{r['label']}: {ratio:.3f} / {aa:.3f}")
+        timed = "whole request" if w.kind == "prefill" else "decode phase"
+        rows.append([w.name, timed, f"{first['prompt_tokens']} / {first['generated_tokens']}",
+                     f"{seconds[subject]:.3f}", f"{seconds[baseline]:.3f}", f"{seconds[control]:.3f}",
+                     spread([run[subject]["seconds"] / run[baseline]["seconds"] for run in pooled]),
+                     spread([run[control]["seconds"] / run[baseline]["seconds"] for run in pooled]),
+                     "; ".join(by_order), len(pooled)])
+    return rows
+
+
+def memory_rows(args, paths: dict[str, Path], runs: list[dict], kv_profiled: dict) -> list[list]:
+    subject, baseline, control = COMPARISONS[args.compare]
+    specs = engine_specs(args, paths)
+    step = runs[0]["max_num_batched_tokens"]
+    rows = []
+    for name in (subject, baseline, control):
+        path = Path(specs[name]["path"])
+        if args.compare == "llama" and name != subject:
+            bank = "- (no bank)"
+        else:
+            per_token, dtype = bank_bytes_per_token(path, args, name)
+            bank = f"{per_token} ({dtype}); {per_token * step / 2**20:.1f} MiB per {step}-token step"
+        peaks = [r["peak_mib"][name] for r in runs if r["peak_mib"]]
+        peak = " / ".join(f"{p:.1f}" for p in peaks) if peaks else "- (no prefill workload)"
+        budget = " / ".join(str(r["kv_tokens"][name]) for r in runs)
+        profiled = kv_profiled.get(name, "-" if args.kv_profile else "not measured (--no-kv-profile)")
+        rows.append([LABELS[name], bank, peak, budget, profiled])
+    return rows
+
+
+def report(args, runs: list[dict], kv: dict, paths: dict[str, Path], work: list[Workload], skipped: list[str]) -> None:
+    subject, baseline, control = COMPARISONS[args.compare]
+    per_order = len(runs[0]["workloads"][work[0].name])
+    title = (f"vLLM offline, {LABELS[subject]} / {LABELS[baseline]}: {describe(args)}" if args.compare == "llama"
+             else f"vLLM offline, the Transformers backend / the AttnRes plugin on {args.model or 'random AttnRes'}")
+    settings = {
+        "dtype": args.dtype, "bank dtype": args.bank_dtype or "from the config",
+        "compilation": COMPILE_NAMES[args.compile], "prefix caching": "off",
+        "chunked prefill": f"max_num_batched_tokens {runs[0]['max_num_batched_tokens']}",
+        "KV cache budget": f"{args.kv_cache_bytes} bytes per engine",
+        "engines": f"{LABELS[subject]}, {LABELS[baseline]} and {LABELS[control]} in one process",
+        "build orders": " then ".join(f"{r['label']} ({', '.join(LABELS[n] for n in r['order'])})" for r in runs),
+        "repeats": f"{per_order} per build order in rotating order "
+                   f"({'balanced' if balanced(per_order, 3) else 'not a multiple of 6: unbalanced'}), pooled",
+        "prompts": "fresh random token ids every repeat, shared by the engines of the repeat; warm-up at the "
+                   "timed size",
+    }
+    print(header(title, settings) + "\n")
+    ratio, aa = f"{LABELS[subject]} / {LABELS[baseline]}", f"A/A: {LABELS[control]} / {LABELS[baseline]}"
+    print(markdown_table(["workload", "timed", "tokens in / out per engine and run (checked equal)",
+                          f"{LABELS[subject]} s", f"{LABELS[baseline]} s", f"{LABELS[control]} s",
+                          f"{ratio} (median, min-max)", f"{aa} (median, min-max)",
+                          "by build order: ratio / A/A", "pairs"], timing_rows(args, runs, work)))
+    for note in skipped:
+        print(f"\nskipped: {note}")
+    print()
+    utilization = args.gpu_memory_utilization or "vLLM's default"
+    print(markdown_table(["model", "bank bytes per token", "peak growth of a prefill step, MiB (per build order)",
+                          "KV capacity, tokens, in the budget (per build order)",
+                          f"KV capacity, tokens, vLLM's profiling (gpu_memory_utilization {utilization})"],
+                         memory_rows(args, paths, runs, kv)))
+    startup = "; ".join(f"{r['label']}: " + ", ".join(f"{LABELS[k]} {v:.1f} s" for k, v in r["startup"].items())
+                        for r in runs)
+    print(f"\nengine start-up (loading + compilation), in build order: {startup}")
+    print(f"CPU share of the timed calls (process CPU time / wall time / threads; 100 % = the cores to itself): "
+          f"{cpu_share(runs)}")
+    print(footer())
+
+
+def cpu_share(runs: list[dict]) -> str:
+    """Per build order, the process's CPU time over the wall time of every timed call, per thread."""
+    shares = []
+    for r in runs:
+        calls = [call for work in r["workloads"].values() for run in work for call in run.values()]
+        share = sum(c["cpu"] for c in calls) / sum(c["wall"] for c in calls) / r["threads"]
+        shares.append(f"{r['label']} {100 * share:.0f} %")
+    return ", ".join(shares)
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
     add_model_arguments(parser)
-    parser.add_argument("--workloads", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"])
-    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--compare", choices=list(COMPARISONS), default="llama",
+                        help="llama: the plugin vs vLLM's Llama on the source; transformers-backend: vLLM's "
+                             "Transformers backend vs the plugin, both on the AttnRes checkpoint")
+    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=[4096, 16384],
+                        help="one prompt of each length, one new token (chunked prefill)")
+    parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 32, 128, 256])
+    parser.add_argument("--decode-context", type=int, default=32, help="prompt tokens of --decode-batches")
+    parser.add_argument("--long-decode-batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--long-context", type=int, default=4096, help="prompt tokens of --long-decode-batches")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode request (>= 2)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--bank-dtype", choices=("auto", "float32"),
-                        help="AttnResConfig.attn_res_bank_dtype for the AttnRes engine (default: the checkpoint's)")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--enforce-eager", action="store_true", help="turn vLLM's torch.compile off")
-    parser.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--probe", choices=("vllm", "transformers"), help=argparse.SUPPRESS)
-    parser.add_argument("--probe-path", help=argparse.SUPPRESS)
+                        help="AttnResConfig.attn_res_bank_dtype for the AttnRes engines (default: the checkpoint's)")
+    parser.add_argument("--compile", choices=list(COMPILE), default="inductor",
+                        help="eager: enforce_eager; dynamo: what `make serve` runs; inductor: vLLM's default")
+    parser.add_argument("--repeats", type=int, default=12, help="pairs in all, split between the build orders")
+    parser.add_argument("--build-order", choices=("both", "forward", "reverse"), default="both",
+                        help="forward: subject, baseline, control; reverse: the opposite; both: one process "
+                             "each, one after the other, pairs pooled")
+    parser.add_argument("--kv-cache-bytes", type=int, default=2 << 30, help="KV cache budget of each timed engine")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="the chunked-prefill step (default: vLLM's)")
+    parser.add_argument("--no-kv-profile", dest="kv_profile", action="store_false",
+                        help="skip the KV capacity vLLM's own memory profiling gives each model")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="for that profiling (on a CPU: the share of memory vLLM takes; default 0.2 there)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed to each engine process")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    check_model_arguments(parser, args)
+    if args.child:
+        return args
+    if args.decode_batches or args.long_decode_batches:
+        if args.new_tokens < 2:
+            parser.error("--new-tokens must be at least 2: the decode phase starts after the first token")
+    if args.gpu_memory_utilization is None and not _cuda():
+        args.gpu_memory_utilization = 0.2       # vLLM's 0.92 of this machine's memory exceeds what is free
+    check_model_arguments(parser, args, source_required=args.compare == "llama")
     return args
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.child:
+        plan = json.loads(Path(args.child[0]).read_text())
+        result = run_engines(plan) if plan["task"] == "engines" else profile_kv(plan)
+        Path(args.child[1]).write_text(json.dumps(result))
+        return
+    with tempfile.TemporaryDirectory(prefix="attnres-bench-vllm-") as tmp:
+        args.max_positions = max([*args.prefill_tokens, args.decode_context, args.long_context]) + args.new_tokens + 8
+        paths = write_models(args, Path(tmp))
+        limit = min(max_positions(paths["attnres"]), max_positions(paths["llama"]) if args.compare == "llama"
+                    else 1 << 30)
+        work = [w for w in workloads(args) if w.length + 8 <= limit]
+        skipped = [f"{w.name}: longer than the model's {limit} positions" for w in workloads(args) if w not in work]
+        if not work:
+            sys.exit("bench_vllm: no workload fits the model's context; see --prefill-tokens and --long-context")
+        runs, kv = measure(args, paths, work, Path(tmp))
+        report(args, runs, kv, paths, work, skipped)
 
 
 if __name__ == "__main__":

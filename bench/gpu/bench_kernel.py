@@ -4,7 +4,7 @@ they must move.
     python bench/gpu/bench_kernel.py                        # hidden 4096, the H200 figures of the README
     python bench/gpu/bench_kernel.py --tokens 1 4096 --sources 8 --bank-dtypes bfloat16
     TRITON_INTERPRET=1 python bench/gpu/bench_kernel.py --device cpu --hidden-size 64 --tokens 1 4 \\
-        --sources 0 3 --iters 2          # a dry run of the whole script on a CPU (Triton's interpreter)
+        --sources 0 3 --iters 2 --rounds 2   # a dry run of the whole script on a CPU (Triton's interpreter)
 
 1. Check: `triton_mix_site` / `triton_push_source` against `depth_attention.mix_site` /
    `push_source` (themselves tested against the float64 oracle) on this device, in float64 and in
@@ -14,20 +14,24 @@ they must move.
    RMS, the partial `[tokens, d]` (float32) and writes the mix `[tokens, d]` (bfloat16). At best it is
    bandwidth-bound, so each row gives the time those bytes take at the GPU's peak bandwidth (the
    floor; an H200's HBM3e peaks near 4.8 TB/s) and how far the kernel is from it (target: within 2x
-   where the floor is long enough for bandwidth to matter), next to the torch path.
+   where the floor is long enough for bandwidth to matter), next to the torch path. Each row is timed
+   in `--rounds` rounds, the Triton kernel twice and the torch path once per round, in rotating order;
+   the ratio of the two Triton timings (A/A) is the error bar of the torch / Triton ratio.
 3. Host time per call at one token, which is what eager decoding pays per site.
 """
 
 import argparse
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from common import markdown_table  # noqa: E402
+from common import footer, header, markdown_table, ratios, rotation, spread  # noqa: E402
 
 from modeling_attnres.depth_attention import empty_bank, mix_site, push_source  # noqa: E402
 from modeling_attnres.depth_attention_triton import triton_mix_site, triton_push_source  # noqa: E402
@@ -118,8 +122,16 @@ def host_seconds(fn, device: str, iters: int) -> float:
     return seconds
 
 
+def rotated_seconds(calls: dict[str, Callable], device: str, iters: int, rounds: int) -> list[dict[str, float]]:
+    """`rounds` rounds of `device_seconds` for every call, in the rotating order of `common.rotation`
+    (each call first equally often): per round `{name: seconds}`, for paired ratios."""
+    return [{name: device_seconds(calls[name], device, iters) for name in rotation(list(calls), r)}
+            for r in range(rounds)]
+
+
 def site_rows(args, bandwidth: float) -> tuple[list[list], list[float]]:
-    """Timed sites: rows for the table and the kernel's distance from the floor where bandwidth rules."""
+    """Timed sites: rows for the table and the kernel's distance from the floor where bandwidth rules.
+    The Triton kernel is timed twice per round (`triton`, `triton-2`): their ratio is the A/A control."""
     rows, bound = [], []
     d, out_dtype = args.hidden_size, torch.bfloat16
     for bank_name in args.bank_dtypes:
@@ -130,16 +142,23 @@ def site_rows(args, bandwidth: float) -> tuple[list[list], list[float]]:
                 moved = tokens * (n * d * bank_dtype.itemsize + n * 4 + d * 4 + d * out_dtype.itemsize) + d * 4
                 floor = moved / bandwidth
                 with torch.no_grad():
-                    kernel = device_seconds(lambda: triton_mix_site(bank, partial, query, EPS, out_dtype),
-                                            args.device, args.iters)
-                    reference = device_seconds(lambda: mix_site(bank, partial, query, EPS, out_dtype), args.device,
-                                               args.iters)
+                    runs = rotated_seconds(site_calls(bank, partial, query, out_dtype), args.device, args.iters,
+                                           args.rounds)
+                kernel = statistics.median(r["triton"] for r in runs)
                 if floor >= args.bound_us * 1e-6:
                     bound.append(kernel / floor)
                 rows.append([bank_name, tokens, n, f"{moved / 2**20:.2f}", f"{floor * 1e6:.1f}",
                              f"{kernel * 1e6:.1f}", f"**{kernel / floor:.2f}**", f"{moved / kernel / 1e9:.0f}",
-                             f"{reference * 1e6:.1f}", f"{reference / kernel:.1f}"])
+                             f"{statistics.median(r['torch'] for r in runs) * 1e6:.1f}",
+                             spread(ratios(runs, "torch", "triton"), 2), spread(ratios(runs, "triton-2", "triton"), 3)])
     return rows, bound
+
+
+def site_calls(bank, partial, query, out_dtype) -> dict[str, Callable]:
+    """The Triton site, the torch path, and the Triton site again (the A/A control)."""
+    def triton() -> None:
+        triton_mix_site(bank, partial, query, EPS, out_dtype)
+    return {"triton": triton, "torch": lambda: mix_site(bank, partial, query, EPS, out_dtype), "triton-2": triton}
 
 
 def push_rows(args, bandwidth: float) -> list[list]:
@@ -150,11 +169,20 @@ def push_rows(args, bandwidth: float) -> list[list]:
             bank, partial, _, _ = case(tokens, 0, args.hidden_size, bank_dtype, torch.float32, args.device)
             moved = tokens * (args.hidden_size * (4 + bank_dtype.itemsize) + 4)
             with torch.no_grad():   # an empty bank with room for one: both store in place, again and again
-                kernel = device_seconds(lambda: triton_push_source(bank, partial, EPS), args.device, args.iters)
-                reference = device_seconds(lambda: push_source(bank, partial, EPS), args.device, args.iters)
+                runs = rotated_seconds(push_calls(bank, partial), args.device, args.iters, args.rounds)
+            kernel = statistics.median(r["triton"] for r in runs)
             rows.append([bank_name, tokens, f"{moved / 2**20:.2f}", f"{moved / bandwidth * 1e6:.1f}",
-                         f"{kernel * 1e6:.1f}", f"**{kernel / (moved / bandwidth):.2f}**", f"{reference * 1e6:.1f}"])
+                         f"{kernel * 1e6:.1f}", f"**{kernel / (moved / bandwidth):.2f}**",
+                         f"{statistics.median(r['torch'] for r in runs) * 1e6:.1f}",
+                         spread(ratios(runs, "triton-2", "triton"), 3)])
     return rows
+
+
+def push_calls(bank, partial) -> dict[str, Callable]:
+    """The Triton block store, the torch path, and the Triton store again (the A/A control)."""
+    def triton() -> None:
+        triton_push_source(bank, partial, EPS)
+    return {"triton": triton, "torch": lambda: push_source(bank, partial, EPS), "triton-2": triton}
 
 
 def host_rows(args) -> list[list]:
@@ -192,28 +220,34 @@ def main() -> None:
     parser.add_argument("--bandwidth-tbps", type=float, default=4.8, help="peak memory bandwidth (H200: 4.8)")
     parser.add_argument("--bound-us", type=float, default=20.0,
                         help="rows whose floor is at least this long count towards the 2x target")
-    parser.add_argument("--iters", type=int, default=100, help="ms of timing per row on a GPU (do_bench's rep)")
+    parser.add_argument("--iters", type=int, default=25, help="ms of timing per call and round on a GPU (do_bench's "
+                                                               "rep)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per row, the calls in rotating order")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--device cpu runs the Triton kernels only under Triton's interpreter: set TRITON_INTERPRET=1")
     bandwidth = args.bandwidth_tbps * 1e12
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton interpreter: a dry run)"
-    print(f"{name}, torch {torch.__version__}, hidden {args.hidden_size}\n")
+    where = "" if args.device == "cuda" else " on a CPU under Triton's interpreter (a dry run)"
+    print(header(f"Triton depth-attention kernels{where}: hidden {args.hidden_size}",
+                 {"rounds": f"{args.rounds} per row, the Triton kernel timed twice per round (A/A) with the torch "
+                            "path, in rotating order", "timing": f"do_bench median, {args.iters} ms per call and "
+                            "round, L2 flushed" if args.device == "cuda" else "a plain loop"}) + "\n")
     checks = check(args.device)
     print(markdown_table(["check vs the torch path", "max error", "tolerance", "verdict"], checks) + "\n")
     rows, bound = site_rows(args, bandwidth)
     print(f"One site (partial float32, mix bfloat16); floor = bytes / {args.bandwidth_tbps} TB/s; a large copy "
           f"measured {copy_bandwidth(args.device) / 1e12:.2f} TB/s here.\n")
     print(markdown_table(["bank", "tokens", "stored sources", "MiB moved", "floor us", "Triton us", "x floor",
-                          "GB/s", "torch us", "torch / Triton"], rows) + "\n")
+                          "GB/s", "torch us", "torch / Triton (median, min-max)", "A/A: Triton / Triton"], rows) + "\n")
     if bound:
         verdict = "met" if max(bound) <= 2 else "missed"
         print(f"Rows with a floor >= {args.bound_us:g} us: Triton at {min(bound):.2f}-{max(bound):.2f}x the floor "
               f"(target <= 2x: {verdict}).\n")
-    print(markdown_table(["push: bank", "tokens", "MiB moved", "floor us", "Triton us", "x floor", "torch us"],
-                         push_rows(args, bandwidth)) + "\n")
+    print(markdown_table(["push: bank", "tokens", "MiB moved", "floor us", "Triton us", "x floor", "torch us",
+                          "A/A: Triton / Triton"], push_rows(args, bandwidth)) + "\n")
     print(markdown_table(["host time per call, 1 token", "stored sources", "us"], host_rows(args)))
+    print(footer())
     failed = [row[0] for row in checks if row[-1] != "ok"]
     if failed:
         sys.exit(f"\nFAILED: the Triton kernels disagree with the torch path on this device: {failed}")

@@ -1,9 +1,11 @@
-"""The benchmark scripts behind `make bench` run end to end at a tiny size and report their ratios.
-
-Timings are never asserted (they depend on the machine); what must hold is that each script runs,
-compares AttnRes with the same-size Llama side by side and prints a table with a ratio.
+"""The benchmark scripts behind `make bench` run end to end at a tiny size, and what makes their ratios
+trustworthy holds in what they print: an A/A control beside every ratio (finite, with its spread), the
+pairs the ratios come from, token counts that were checked equal, and headers that name the machine,
+the versions and every setting. Timings are never asserted: they depend on the machine.
 """
 
+import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -14,59 +16,112 @@ import torch
 from tests.support.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402
+
 TINY = ["--hidden-size", "128", "--num-hidden-layers", "4", "--num-attention-heads", "2",   # head_dim 64:
         "--num-key-value-heads", "1", "--intermediate-size", "256", "--vocab-size", "256"]  # vLLM CPU attention
+SPREAD = re.compile(r"\*\*(\d+\.\d+)\*\* \((\d+\.\d+)-(\d+\.\d+)\)")
+HEADER = ("machine: ", "versions: ", "date: ", "command: ", "settings: ")
+STEP_ORDER = ["env", "kernel", "transformers", "transformers-compiled", "vllm"]
 
 
-def run(script: str, *args: str) -> str:
-    done = run_bounded([sys.executable, str(ROOT / "bench" / script), *TINY, *args], timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+def run(script: str, *args: str, timeout: float = 600, env: dict | None = None) -> str:
+    done = run_bounded([sys.executable, str(ROOT / "bench" / script), *args], timeout=timeout, cwd=ROOT,
+                       env={**os.environ, **(env or {})})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout
 
 
-def ratios(text: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\*\*(\d+\.\d+)x?\*\*", text)]
+def tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table in `text`, as rows of `{column: cell}`."""
+    found, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")) and i + 1 < len(lines) \
+                and lines[i + 1].startswith("|---"):
+            head = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(head, (c.strip() for c in row.strip("|").split("|")))))
+            found.append(rows)
+    return found
+
+
+def spread(cell: str) -> tuple[float, float, float]:
+    """`**median** (min-max)`, checked: finite, positive, min <= median <= max."""
+    found = SPREAD.fullmatch(cell)
+    assert found, f"not a ratio with its spread: {cell!r}"
+    median, low, high = map(float, found.groups())
+    assert all(math.isfinite(x) and x > 0 for x in (median, low, high)) and low <= median <= high, cell
+    return median, low, high
+
+
+def assert_header(text: str, *settings: str) -> None:
+    """The machine, versions, date, command and settings are printed, and the settings name `settings`."""
+    lines = text.splitlines()
+    for start in HEADER:
+        assert any(line.startswith(start) for line in lines), f"no {start!r} line:\n{text}"
+    machine = next(line for line in lines if line.startswith("machine: "))
+    assert "AMX bfloat16: " in machine and "load average at the start" in machine, machine
+    assert any(line.startswith("load average at the end: ") for line in lines), text
+    setting_line = next(line for line in lines if line.startswith("settings: "))
+    for word in settings:
+        assert word in setting_line, f"{word!r} not in {setting_line!r}"
+
+
+def column(row: dict[str, str], prefix: str) -> str:
+    """The cell of the one column whose name starts with `prefix`."""
+    names = [name for name in row if name.startswith(prefix)]
+    assert len(names) == 1, (prefix, list(row))
+    return row[names[0]]
+
+
+# -- the rules themselves, in bench/common.py -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kinds", [["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])
+def test_rotation_puts_every_runner_first_equally_often_and_reverses_within_a_pair(kinds):
+    orders = [common.rotation(kinds, r) for r in range(2 * len(kinds))]
+    assert all(sorted(order) == kinds for order in orders)
+    assert {k: sum(order[0] == k for order in orders) for k in kinds} == dict.fromkeys(kinds, 2)
+    assert all(orders[r + 1] == orders[r][::-1] for r in range(0, len(orders), 2))
+    assert common.balanced(2 * len(kinds), len(kinds)) and not common.balanced(3, len(kinds))
+    if len(kinds) == 2:
+        assert orders == [["a", "b"], ["b", "a"], ["b", "a"], ["a", "b"]]                  # A B B A
+
+
+def test_rotate_runs_shares_fresh_inputs_warms_up_at_size_and_refuses_unequal_work():
+    seen = []
+
+    def runner(name, extra=0):
+        def run(batch):
+            seen.append((name, batch))
+            return len(batch) + extra
+        return run
+
+    runs = common.rotate_runs({"a": runner("a"), "b": runner("b")}, lambda r: [r] * 3, 4, count=lambda n: n)
+    assert len(runs) == 4 and all(set(run) == {"a", "b"} for run in runs)
+    assert seen[:2] == [("a", [-1] * 3), ("b", [-1] * 3)]                 # warm-up: same size, its own inputs
+    assert [b for _, b in seen[2:]] == [[r] * 3 for r in range(4) for _ in range(2)]   # shared, fresh each repeat
+    assert [name for name, _ in seen[2:]] == ["a", "b", "b", "a", "b", "a", "a", "b"]
+    with pytest.raises(common.UnequalWork, match="repeat 0"):
+        common.rotate_runs({"a": runner("a"), "b": runner("b", extra=1)}, lambda r: [r], 2, count=lambda n: n)
+
+
+def test_spread_is_the_median_and_range_of_the_pairs():
+    assert common.spread([1.0, 1.2, 0.9]) == "**1.000** (0.900-1.200)"
+    assert common.ratios([{"x": 2.0, "y": 1.0}, {"x": 3.0, "y": 3.0}], "x", "y") == [2.0, 1.0]
+
+
+# -- each script end to end ------------------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(660)
-def test_bench_transformers_reports_prefill_decode_and_memory_ratios():
-    out = run("bench_transformers.py", "--repeats", "1", "--prefill-tokens", "16", "--prompt-tokens", "4",
-              "--new-tokens", "3", "--decode-batches", "1", "2", "--dtypes", "float32", "bfloat16",
-              "--modes", "eager", "cpu-kernel")
-    rows = [line for line in out.splitlines() if line.startswith("| ")]
-    for mode in ("eager", "cpu-kernel"):                    # (prefill, decode b1, decode b2) x 2 dtypes
-        assert len([r for r in rows if f"| {mode} |" in r]) == 6, out
-    memory = [r.split("|") for r in rows if "peak RSS" in r]
-    assert len(memory) == 2, out
-    # The prefill's own peak (over the RSS it started from) is measured apart from the load's peak.
-    assert all(float(m[5]) > 0 and float(m[6]) > 0 for m in memory), out
-    assert len(ratios(out)) == 12 + 2 * 2 and all(r > 0 for r in ratios(out)), out
-
-
-@pytest.mark.timeout(660)
-def test_bench_vllm_pairs_both_engines_in_one_process():
-    out = run("bench_vllm.py", "--prompts", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--prefill-tokens", "8",
-              "--repeats", "2", "--enforce-eager", "--kv-cache-bytes", str(64 << 20), "--skip-transformers")
-    rows = [line for line in out.splitlines() if line.startswith(("| decode", "| prefill"))]
-    assert len(rows) == 2 and "2 alternating repeats" in out, out
-    assert len(ratios(out)) == 2 and all(r > 0 for r in ratios(out)), out
-
-
-@pytest.mark.timeout(660)
-def test_bench_depth_checks_every_path_against_mix_site_and_reports_each_lever():
-    """The cat-bank and two-phase paths are compared with per-site `mix_site` inside the script before
-    they are timed; each row reports three paired ratios (one per lever)."""
-    out = run("bench_depth.py", "--num-hidden-layers", "2", "--tokens", "1", "5", "--modes", "eager", "cpu-kernel",
-              "piecewise", "--repeats", "1", "--work", "1024", "--dtype", "bfloat16")
-    rows = [line for line in out.splitlines() if line.startswith(("| eager", "| cpu-kernel", "| piecewise"))]
-    assert len(rows) == 6, out
-    assert len(ratios(out)) == 18 and all(r > 0 for r in ratios(out)), out
-
-
-@pytest.mark.timeout(900)
-def test_bench_transformers_on_a_converted_checkpoint_and_its_source(tmp_path):
-    """`--model` / `--source`: an attnres-convert output against the Llama it came from, both loaded
-    from their folders (the sizes come from them), with the bfloat16-vs-float64 accuracy table."""
+def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_checkpoint(tmp_path):
+    """`--model` / `--source`: an attnres-convert output against the Llama it came from (the sizes come
+    from the folders), with the bfloat16-vs-float64 accuracy table and the memory probes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -77,15 +132,123 @@ def test_bench_transformers_on_a_converted_checkpoint_and_its_source(tmp_path):
                            str(tmp_path / "attnres"), "--block-size", "2", "--stream-scale", "1"],
                           timeout=600, cwd=ROOT)
     assert convert.returncode == 0, convert.stderr[-3000:]
-    done = run_bounded([sys.executable, str(ROOT / "bench" / "bench_transformers.py"), "--model",
-                           str(tmp_path / "attnres"), "--source", str(tmp_path / "llama"), "--accuracy", "--repeats",
-                           "1", "--prefill-tokens", "8", "--prompt-tokens", "4", "--new-tokens", "2",
-                        "--decode-batches", "1", "--dtypes", "bfloat16", "--no-memory"], timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = run("bench_transformers.py", "--model", str(tmp_path / "attnres"), "--source", str(tmp_path / "llama"),
+              "--accuracy", "--repeats", "2", "--prefill-tokens", "8", "--prompt-tokens", "4", "--new-tokens", "2",
+              "--decode-batches", "2", "--dtypes", "bfloat16")
+    assert_header(out, "repeats 2 in rotating order", "fresh random token ids every repeat", "modes eager")
     assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
-    accuracy = [line for line in out.splitlines() if line.startswith(("| llama", "| attnres"))]
-    assert len(accuracy) == 3, out
-    # Each AttnRes row measures the bank it names: "auto" keeps bfloat16 where the kernel reads it.
-    assert "| attnres | float32 | float32 |" in out and "| attnres | auto | bfloat16 |" in out, out
-    assert len(ratios(out)) == 2 and all(r > 0 for r in ratios(out)), out
+    accuracy, timing, memory = tables(out)
+    assert [(r["model"], r["attn_res_bank_dtype"], r["bank kept in"]) for r in accuracy] == [
+        ("llama", "-", "-"), ("attnres", "float32", "float32"), ("attnres", "auto", "bfloat16")], out
+    assert [(r["workload"], r["mode"]) for r in timing] == [("prefill 1x8", "eager"),
+                                                            ("decode 2x2 (prompt 4)", "eager")], out
+    for row in timing:
+        spread(column(row, "AttnRes / Llama"))
+        spread(column(row, "A/A: Llama (A/A) / Llama"))
+        assert row["pairs"] == "2" and all(float(row[f"{m} ms"]) > 0 for m in ("AttnRes", "Llama", "Llama (A/A)"))
+    assert re.search(r"^CPU share of the timing .*: \d+ %$", out, re.M), out
+    (peak,) = memory
+    assert float(peak["Llama (A/A) MiB"]) > 0 and re.fullmatch(r"\*\*\d+\.\d+\*\*", peak["A/A"]), out
+
+
+@pytest.mark.timeout(900)
+def test_bench_vllm_reports_each_ratio_beside_its_aa_control_over_both_build_orders():
+    out = run("bench_vllm.py", *TINY, "--dtype", "float32", "--compile", "eager", "--prefill-tokens", "32",
+              "--decode-batches", "2", "--long-decode-batches", "--decode-context", "8", "--new-tokens", "3",
+              "--repeats", "2", "--max-num-batched-tokens", "16", "--kv-cache-bytes", str(64 << 20),
+              "--gpu-memory-utilization", "0.1", timeout=840)
+    assert_header(out, "prefix caching off", "max_num_batched_tokens 16", "float32", "forward (AttnRes, Llama, "
+                  "Llama (A/A)) then reverse (Llama (A/A), Llama, AttnRes)", "1 per build order in rotating order")
+    timing, memory = tables(out)
+    assert [r["workload"] for r in timing] == ["prefill 1 x 32", "decode 2 x 3 (context 8)"], out
+    expected_tokens = {"prefill 1 x 32": "32 / 1", "decode 2 x 3 (context 8)": "16 / 6"}
+    for row in timing:
+        assert column(row, "tokens in / out") == expected_tokens[row["workload"]], row
+        spread(column(row, "AttnRes / Llama"))
+        spread(column(row, "A/A: Llama (A/A) / Llama"))
+        assert row["pairs"] == "2" and re.fullmatch(r"forward: [\d.]+ / [\d.]+; reverse: [\d.]+ / [\d.]+",
+                                                    column(row, "by build order")), row
+    assert [r["model"] for r in memory] == ["AttnRes", "Llama", "Llama (A/A)"], out
+    config = common.AttnResConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                  intermediate_size=256, vocab_size=256, attn_res_block_size=2)
+    per_token = config.depth_sites[-1].num_stored * (128 * 4 + 4)           # float32 sources + their inverse RMS
+    assert memory[0]["bank bytes per token"].startswith(f"{per_token} (float32)"), memory[0]
+    for row in memory:
+        budget = column(row, "KV capacity, tokens, in the budget").split(" / ")
+        assert len(budget) == 2 and len(set(budget)) == 1 and int(budget[0]) > 0, row
+        assert len(column(row, "peak growth").split(" / ")) == 2, row
+    assert all(int(column(r, "KV capacity, tokens, vLLM's profiling")) > 0 for r in memory[:2]), memory
+    assert re.search(r"^CPU share of the timed calls .*: forward \d+ %, reverse \d+ %$", out, re.M), out
+
+
+@pytest.mark.timeout(660)
+def test_bench_vllm_compares_the_transformers_backend_with_the_plugin():
+    out = run("bench_vllm.py", *TINY, "--compare", "transformers-backend", "--dtype", "float32", "--compile", "eager",
+              "--prefill-tokens", "16", "--decode-batches", "2", "--long-decode-batches", "--decode-context", "4",
+              "--new-tokens", "2", "--repeats", "2", "--build-order", "forward", "--no-kv-profile",
+              "--kv-cache-bytes", str(64 << 20))
+    assert_header(out, "prefix caching off", "Transformers backend, plugin and plugin (A/A) in one process")
+    timing, memory = tables(out)
+    for row in timing:
+        spread(column(row, "Transformers backend / plugin"))
+        spread(column(row, "A/A: plugin (A/A) / plugin"))
+        assert row["pairs"] == "2", row
+    assert [r["model"] for r in memory] == ["Transformers backend", "plugin", "plugin (A/A)"], out
+
+
+@pytest.mark.timeout(900)
+def test_bench_serve_runs_vllm_bench_serve_against_a_b_b_a_servers():
+    out = run("bench_serve.py", *TINY, "--compilations", "eager", "--concurrency", "2", "--num-prompts", "2",
+              "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
+              timeout=840)
+    assert_header(out, "--no-enable-prefix-caching", "attnres-vllm bench serve", "AttnRes, Llama, Llama, AttnRes")
+    (rows,) = tables(out)
+    (row,) = rows
+    assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 4", row
+    for name in ("duration", "median TTFT", "median TPOT"):
+        spread(column(row, name))
+    aa = [float(x) for x in column(row, "A/A").split(", ")]
+    assert len(aa) == 3 and all(math.isfinite(x) and x > 0 for x in aa), row
+    assert re.search(r"in order A B B A: none \(--enforce-eager\): \d+ s, \d+ s, \d+ s, \d+ s", out), out
+
+
+@pytest.mark.timeout(660)
+def test_bench_depth_checks_every_path_against_mix_site_and_reports_each_lever():
+    """The cat-bank and two-phase paths are compared with per-site `mix_site` inside the script before
+    they are timed; each row reports three paired ratios (one per lever)."""
+    out = run("bench_depth.py", *TINY, "--num-hidden-layers", "2", "--tokens", "1", "5", "--modes", "eager",
+              "cpu-kernel", "--repeats", "2", "--work", "1024", "--dtype", "bfloat16")
+    rows = [line for line in out.splitlines() if line.startswith(("| eager", "| cpu-kernel"))]
+    assert len(rows) == 4, out
+    found = [float(x) for x in re.findall(r"\*\*(\d+\.\d+)x\*\*", out)]
+    assert len(found) == 12 and all(r > 0 for r in found), out
+
+
+@pytest.mark.timeout(660)
+def test_gpu_run_sh_dry_run_writes_one_table_per_step_and_names_what_failed(tmp_path):
+    """`DRY_RUN=1 bash bench/gpu/run.sh` runs the GPU steps at toy sizes on the CPU (Triton's interpreter):
+    each step's file holds its table, or says how it failed; summary.md lists exactly the failed steps
+    and the exit status agrees; vLLM is said not to run. (The compiled step, whose Inductor compile takes
+    minutes on a CPU, is left out here.)"""
+    out = tmp_path / "out"
+    done = run_bounded(["bash", str(ROOT / "bench" / "gpu" / "run.sh")], timeout=600, cwd=ROOT,
+                       env={**os.environ, "DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable,
+                            "STEPS": "env kernel transformers vllm"})
+    files = {p.name: p.read_text() for p in out.iterdir() if p.is_file()}
+    assert set(files) == {"env.md", "kernel.md", "transformers.md", "vllm.md", "summary.md"}, (files, done.stdout)
+    failed = [name.removesuffix(".md") for name, text in files.items() if "**FAILED" in text]
+    summary = files["summary.md"]
+    assert (done.returncode == 0) == (not failed), (failed, summary, done.stdout[-3000:])
+    if failed:
+        assert f"FAILED steps: {' '.join(sorted(failed, key=STEP_ORDER.index))} " in summary, (failed, summary)
+    else:
+        assert "all steps passed" in summary, summary
+    assert "torch " in files["env.md"] and "AMX bfloat16: " in files["env.md"], files["env.md"]
+    assert "vLLM step is not run" in files["vllm.md"]
+    assert "A/A: Triton / Triton" in files["kernel.md"], files["kernel.md"]
+    timing = tables(files["transformers.md"])[0]
+    assert {(r["workload"], r["AttnRes"]) for r in timing} == {
+        (w, b) for w in ("prefill 1x8", "decode 1x2 (prompt 4)") for b in ("triton", "torch")}, files["transformers.md"]
+    for row in timing:
+        spread(column(row, "AttnRes / Llama"))
+        spread(column(row, "A/A: Llama (A/A) / Llama"))
