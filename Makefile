@@ -49,7 +49,7 @@ BENCH_VLLM ?= --dtype bfloat16 --compile dynamo --prefill-tokens 1024 --decode-b
 # first run adds the build of the SmolLM2 pair (about 4 minutes). Every table names its settings.
 
 bench: install
-	$(PY) bench/bench_transformers.py $(BENCH_REAL) --accuracy --dtypes bfloat16 --modes eager cpu-kernel \
+	$(PY) bench/bench_transformers.py $(BENCH_REAL) --accuracy --dtypes bfloat16 --modes eager torch-path \
 		--prefill-tokens 256 --new-tokens 32 --decode-batches 1 8 --repeats 6
 	$(PY) bench/bench_vllm.py $(BENCH_REAL) $(BENCH_VLLM) --repeats 12
 	$(PY) bench/bench_vllm.py $(BENCH_REAL) $(BENCH_VLLM) --compare transformers-backend --repeats 6 --no-kv-profile

@@ -15,9 +15,10 @@ the same for Llama (A/A)/Llama: two identical models measured the same way, the 
 
 Workloads: prefill (one `--prefill-tokens` prompt, one new token) and decode (`--decode-batches` x
 `--prompt-tokens` prompts, `--new-tokens` new tokens each, greedy, EOS ignored). Modes: `eager`
-(transformers' default path: sdpa attention, a `DynamicCache`; AttnRes as `from_pretrained` gives it),
-`cpu-kernel` (AttnRes with its opt-in fused C++ site kernel, `modeling_attnres.enable_cpu_kernel()`;
-Llama unchanged) and `compiled` (`generate(..., cache_implementation="static", compile_config=...)`,
+(transformers' default path: sdpa attention, a `DynamicCache`; AttnRes as `from_pretrained` gives it,
+which includes its fused C++ boundary kernel where it builds, unless `ATTNRES_CPU_KERNEL=0`),
+`torch-path` (AttnRes with that kernel off, `enable_cpu_kernel(False)`: the torch reference; Llama
+unchanged) and `compiled` (`generate(..., cache_implementation="static", compile_config=...)`,
 transformers' recipe: it compiles the decoding steps, with CUDA graphs on a GPU; the prefill stays
 eager there, so compiled mode has no prefill row). Peak memory: each model in a fresh process, the
 peak RSS of a prefill and its own peak over the RSS it started from. `--accuracy` first compares each
@@ -90,9 +91,15 @@ def random_ids(args, batch: int, tokens: int, seed: int) -> torch.Tensor:
     return torch.randint(3, args.vocab_size, (batch, tokens), generator=gen).to(args.device)
 
 
+def kernel_by_default() -> bool:
+    """Whether `from_pretrained` users get the C++ kernel here: on unless `ATTNRES_CPU_KERNEL` turns it
+    off (a machine that cannot build it makes `enable_cpu_kernel(True)` raise, with the reason)."""
+    return os.environ.get("ATTNRES_CPU_KERNEL", "auto").strip().lower() not in ("0", "false", "no", "off")
+
+
 def time_mode(args, models: dict, dtype_name: str, mode: str) -> list[list]:
     """The rows of one dtype and mode: prefill (not in compiled mode) and each decode batch."""
-    enable_cpu_kernel(mode == "cpu-kernel")                             # AttnRes only: Llama never calls it
+    enable_cpu_kernel(mode != "torch-path" and kernel_by_default())    # AttnRes only: Llama never calls it
     shapes = [] if mode == "compiled" else [("prefill", 1, args.prefill_tokens, 1)]
     shapes += [("decode", b, args.prompt_tokens, args.new_tokens) for b in args.decode_batches]
     rows = []
@@ -238,9 +245,10 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "cpu-kernel", "compiled"),
-                        help="eager: transformers' default path; cpu-kernel: AttnRes with its fused C++ site "
-                             "kernel; compiled: generate() with a static cache and transformers' compile_config")
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "torch-path", "compiled"),
+                        help="eager: transformers' default path (AttnRes with its C++ kernel where it builds); "
+                             "torch-path: AttnRes with the kernel off; compiled: generate() with a static cache "
+                             "and transformers' compile_config")
     parser.add_argument("--repeats", type=int, default=12, help="paired repeats (a multiple of 6 is balanced)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

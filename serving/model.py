@@ -11,7 +11,8 @@ The depth history (the stored sources and the running partial) lives for one for
 hands the model flattened `[num_tokens]` inputs, and depth attention only mixes vectors of one token
 position, so nothing goes into the KV cache, and prefill, decode, chunked prefill and prefix caching
 need nothing extra. The bank is a `DepthBank` allocated by each forward pass with room for every
-source (`start_depth`) and filled in place at each block-closing boundary (`site_boundary`), as in the transformers model. It must be
+source (`start_depth`) and filled in place at each block-closing boundary (`site_boundary`), as in
+the transformers model. It must be
 a local of the forward pass and never a module buffer: under `torch.compile` (vLLM's default) an
 in-place write into a module buffer becomes a copy of the whole buffer per write, while a buffer
 created inside the traced forward is written in place (the README has both measurements).
