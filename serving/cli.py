@@ -19,6 +19,9 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 - for the default model on CPU builds, `--compilation-config DEFAULT_COMPILATION` unless a compilation
   option or `--enforce-eager` is given: Dynamo traces the model once and its graph runs without
   Inductor, whose C++ compilation of a 30-layer model takes many minutes on 2 cores (see the README);
+- with that compilation on a CPU build, `ATTNRES_CPU_KERNEL=compiled` unless the variable is set: a
+  graph run without Inductor would do each depth-attention boundary as ~20 separate tensor operations,
+  where the C++ op does it in one call (`kernel_setting`);
 - with pipeline parallelism on the CPU builds in `PIPELINE_WORKER_VERSIONS`, `--worker-cls
   PIPELINE_WORKER` (their CPU worker cannot run eager pipeline parallelism; see `cpu_worker.py`);
 - always `--middleware MIDDLEWARE`: with `--api-key` (or `VLLM_API_KEY`) every route but the health
@@ -161,6 +164,16 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
     return head + args + extra
 
 
+def kernel_setting(vllm_args: list[str], cpu: bool, env: dict | None = None) -> str | None:
+    """`"compiled"` where the server should run the C++ depth-attention op inside its graphs: a CPU build
+    compiling with `DEFAULT_COMPILATION` (Dynamo, no Inductor), `ATTNRES_CPU_KERNEL` not set. There it
+    measured AttnRes/Llama 1.04 prefill and 0.97-1.00 decode against 1.30 and 1.21 for the graph's own
+    tensor operations (docs/performance.md); with Inductor, Inductor's fused code is faster."""
+    env = os.environ if env is None else env
+    compiled = option_value(vllm_args, "--compilation-config") == DEFAULT_COMPILATION
+    return "compiled" if cpu and compiled and "ATTNRES_CPU_KERNEL" not in env else None
+
+
 def exposure_warning(vllm_args: list[str], env: dict | None = None) -> str | None:
     """A warning when `vllm vllm_args` would listen beyond this machine without an API key."""
     env = os.environ if env is None else env
@@ -222,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
             raise ConversionError(problem)
     except (DefaultModelUnavailable, ConversionError, OSError) as err:   # OSError: MissingShippedFile too
         raise SystemExit(fail(PROG, " ".join(str(err).split()), getattr(err, "exit_status", 1))) from None
+    kernel = kernel_setting(sys.argv[1:], cpu)
+    if kernel:
+        # Read at import by the engine's processes (vLLM's CPU platform starts them by spawn).
+        os.environ["ATTNRES_CPU_KERNEL"] = kernel
     warning = exposure_warning(sys.argv[1:])
     if warning:
         print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)

@@ -13,8 +13,10 @@ import pytest
 from attnres.conversion.publish import remove_dead_stagings, staged_file, staged_folder
 
 WRITER = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
+# Ctrl-C as a terminal delivers it, even where this test runs with SIGINT ignored (a background job).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from attnres.conversion.publish import staged_folder
 with staged_folder(Path(sys.argv[1])) as tmp:
     (tmp / "part").write_text("half")

@@ -119,6 +119,15 @@ def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
     assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1", *GRACE, *ALWAYS]
 
 
+def test_graphs_without_inductor_get_the_cpu_kernel_op_unless_the_variable_is_set():
+    default = ["serve", "m", "--compilation-config", cli.DEFAULT_COMPILATION]
+    assert cli.kernel_setting(default, cpu=True, env={}) == "compiled"
+    assert cli.kernel_setting(default, cpu=True, env={"ATTNRES_CPU_KERNEL": "0"}) is None     # the user decides
+    assert cli.kernel_setting(default, cpu=False, env={}) is None                             # GPUs: Triton
+    assert cli.kernel_setting(["serve", "m"], cpu=True, env={}) is None                       # Inductor's code
+    assert cli.kernel_setting(["serve", "m", "--enforce-eager"], cpu=True, env={}) is None    # eager: on already
+
+
 def test_serve_argv_respects_given_options():
     given = ["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M", "--shutdown-timeout", "2",
              "--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint", "--worker-extension-cls", "x.Y"]

@@ -234,11 +234,13 @@ def metric(server, name: str) -> float:
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(server, client):
-    n, max_tokens = 4, MAX_MODEL_LEN - 16
+    # 32 sequences with 20 logprobs each make every step slow enough that the whole request takes
+    # seconds, far longer than the server takes to see the disconnect, however fast the model is.
+    n, max_tokens = 32, MAX_MODEL_LEN - 16
     before = metric(server, "vllm:generation_tokens_total")
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
     body = {"model": SERVED, "prompt": "def f(", "max_tokens": max_tokens, "n": n, "ignore_eos": True,
-            "stream": True, "logprobs": MAX_LOGPROBS}                # logprobs slow each step down
+            "stream": True, "logprobs": MAX_LOGPROBS}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
