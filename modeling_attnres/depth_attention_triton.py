@@ -94,6 +94,29 @@ def triton_applies(partial: Tensor, in_graphs: bool = False) -> bool:
     return partial.device.type == "cuda" or (partial.device.type == "cpu" and _interpreting())
 
 
+def _online_mix(src_row, inv_row, p, q, n, d, eps, offs, mask, src_stride_n, inv_stride_n,
+                KEEP: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax of one token row: the partial `p`'s score starts it and each of the `n` stored
+    sources updates it. Returns `(acc, z, m, scores)`: the running weighted sum, sum of exp and max, and
+    (with `KEEP`) every score, the partial's at index `n`."""
+    m = tl.sum(p * q, axis=0) * tl.rsqrt(tl.sum(p * p, axis=0) / d + eps)
+    z = tl.exp(m - m)                                # 1, in the accumulation dtype
+    acc = p
+    offs_n = tl.arange(0, BLOCK_N)
+    scores = tl.where(offs_n == n, m, float("-inf"))  # read only with KEEP
+    for i in range(n):
+        x = tl.load(src_row + i * src_stride_n + offs, mask=mask, other=0.0).to(ACC)
+        s = tl.sum(x * q, axis=0) * tl.load(inv_row + i * inv_stride_n).to(ACC)
+        m_new = tl.maximum(m, s)
+        alpha, beta = tl.exp(m - m_new), tl.exp(s - m_new)
+        acc = acc * alpha + x * beta
+        z = z * alpha + beta
+        m = m_new
+        if KEEP:
+            scores = tl.where(offs_n == i, s, scores)
+    return acc, z, m, scores
+
+
 def _mix_row(src_ptr, inv_ptr, part_ptr, q_ptr, gain_ptr, out_ptr, w_ptr, n, d, eps,
              src_stride_t, src_stride_n, inv_stride_t, inv_stride_n, part_stride_t,
              HAS_GAIN: tl.constexpr, KEEP: tl.constexpr, ACC: tl.constexpr,
@@ -107,23 +130,10 @@ def _mix_row(src_ptr, inv_ptr, part_ptr, q_ptr, gain_ptr, out_ptr, w_ptr, n, d, 
     if HAS_GAIN:
         q = q * tl.load(gain_ptr + offs, mask=mask, other=0.0).to(ACC)
     p = tl.load(part_ptr + row * part_stride_t + offs, mask=mask, other=0.0).to(ACC)
-    m = tl.sum(p * q, axis=0) * tl.rsqrt(tl.sum(p * p, axis=0) / d + eps)
-    z = tl.exp(m - m)                                # 1, in the accumulation dtype
-    acc = p
-    offs_n = tl.arange(0, BLOCK_N)
-    if KEEP:
-        scores = tl.where(offs_n == n, m, float("-inf"))
     src_row = src_ptr + row * src_stride_t
-    for i in range(n):
-        x = tl.load(src_row + i * src_stride_n + offs, mask=mask, other=0.0).to(ACC)
-        s = tl.sum(x * q, axis=0) * tl.load(inv_ptr + row * inv_stride_t + i * inv_stride_n).to(ACC)
-        m_new = tl.maximum(m, s)
-        alpha, beta = tl.exp(m - m_new), tl.exp(s - m_new)
-        acc = acc * alpha + x * beta
-        z = z * alpha + beta
-        m = m_new
-        if KEEP:
-            scores = tl.where(offs_n == i, s, scores)
+    offs_n = tl.arange(0, BLOCK_N)
+    acc, z, m, scores = _online_mix(src_row, inv_ptr + row * inv_stride_t, p, q, n, d, eps, offs, mask, src_stride_n,
+                                    inv_stride_n, KEEP, ACC, BLOCK_N)
     tl.store(out_ptr + row * d + offs, (acc / z).to(out_ptr.dtype.element_ty), mask=mask)
     if KEEP:
         tl.store(w_ptr + row * (n + 1) + offs_n, tl.exp(scores - m) / z, mask=offs_n <= n)
@@ -220,23 +230,10 @@ def _boundary_row(src_ptr, inv_ptr, part_ptr, out_ptr, q_ptr, gain_ptr, new_ptr,
         p = tl.load(out_ptr + row * out_stride_t + offs, mask=mask, other=0.0).to(ACC)
     if NEW_PARTIAL:
         tl.store(new_ptr + row * d + offs, p, mask=mask)
-    m = tl.sum(p * q, axis=0) * tl.rsqrt(tl.sum(p * p, axis=0) / d + eps)
-    z = tl.exp(m - m)
-    acc = p
-    offs_n = tl.arange(0, BLOCK_N)
-    if KEEP:
-        scores = tl.where(offs_n == n, m, float("-inf"))
     src_row = src_ptr + row * src_stride_t
-    for i in range(n):
-        x = tl.load(src_row + i * src_stride_n + offs, mask=mask, other=0.0).to(ACC)
-        s = tl.sum(x * q, axis=0) * tl.load(inv_ptr + row * inv_stride_t + i * inv_stride_n).to(ACC)
-        m_new = tl.maximum(m, s)
-        alpha, beta = tl.exp(m - m_new), tl.exp(s - m_new)
-        acc = acc * alpha + x * beta
-        z = z * alpha + beta
-        m = m_new
-        if KEEP:
-            scores = tl.where(offs_n == i, s, scores)
+    offs_n = tl.arange(0, BLOCK_N)
+    acc, z, m, scores = _online_mix(src_row, inv_ptr + row * inv_stride_t, p, q, n, d, eps, offs, mask, src_stride_n,
+                                    inv_stride_n, KEEP, ACC, BLOCK_N)
     if CLOSES:
         SRC = src_ptr.dtype.element_ty
         if SRC == tl.bfloat16:
@@ -285,8 +282,8 @@ def _load_kernels() -> SimpleNamespace:
                 "wheels). Without it, run the torch path: `depth_attention.mix_site` / `push_source`."
             ) from error
         tl = language
-        global _round_bf16                            # a helper the kernels call: a Triton function too
-        _round_bf16 = triton.jit(_round_bf16)
+        global _round_bf16, _online_mix               # helpers the kernels call: Triton functions too
+        _round_bf16, _online_mix = triton.jit(_round_bf16), triton.jit(_online_mix)
         # One compiled variant for every number of stored sources (Triton would specialise n == 1).
         jit = functools.partial(triton.jit, do_not_specialize=["n"])
         _kernels = SimpleNamespace(mix=jit(_mix_row), mix_chunked=jit(_mix_row_chunked), push=jit(_push_row),
