@@ -233,6 +233,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         )
         boundary, _ = self.depth_mix(boundary.bank, boundary.partial, h, self.mlp_res_proj, self.mlp_res_norm,
                                      self.mlp_closes_block, self.post_attention_layernorm, output_depth_attentions)
+        del h                                  # now in the partial: freed before the MLP's peak, as Llama frees it
         return boundary.bank, boundary.partial, self.mlp(boundary.normed)
 
 

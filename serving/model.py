@@ -183,6 +183,7 @@ class AttnResDecoderLayer(nn.Module):
         h = self.self_attn(positions=positions, hidden_states=b.normed)
         b = boundary(b.bank, b.partial, h, self.mlp_res_proj, self.mlp_res_norm, self.mlp_closes_block,
                      self.post_attention_layernorm)
+        del h                                  # now in the partial: freed before the MLP's peak, as Llama frees it
         return b.bank, b.partial, self.mlp(b.normed)
 
 
