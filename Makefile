@@ -44,8 +44,8 @@ BENCH_REAL ?= --smollm2
 # batches 1-256, and 1-8 at a 4k context); make serve's compilation; 12 pairs over both build orders.
 BENCH_VLLM ?= --dtype bfloat16 --compile dynamo --prefill-tokens 1024 --decode-batches 1 32 --long-decode-batches 1 \
     --long-context 1024 --new-tokens 32 --kv-cache-bytes 1073741824
-# `make bench` takes about 75 minutes on 2 idle cores (measured step by step: about 12 for the first
-# line, 25 for the second, 12 for the third, 15 for the fourth, 6 for the fifth, 5 for the last); a
+# `make bench` takes about 80 minutes on 2 idle cores (measured step by step: about 12 for the first
+# line, 25 for the second, 12 for the third, 15 for the fourth, 10 for the fifth, 5 for the last); a
 # first run adds the build of the SmolLM2 pair (about 4 minutes). Every table names its settings.
 
 bench: install
@@ -55,7 +55,7 @@ bench: install
 	$(PY) bench/bench_vllm.py $(BENCH_REAL) $(BENCH_VLLM) --compare transformers-backend --repeats 6 --no-kv-profile
 	$(PY) bench/bench_serve.py $(BENCH_REAL) --compilations serve --concurrency 1 16 --num-prompts 32 \
 		--input-len 128 --output-len 32
-	$(PY) bench/bench_transformers.py --repeats 6
+	$(PY) bench/bench_transformers.py --repeats 6 --modes eager fused-llama
 	$(PY) bench/bench_depth.py --hidden-size 576 --num-hidden-layers 8 --block-size 4 --dtype bfloat16 \
 		--tokens 1 512 --modes eager cpu-kernel piecewise --repeats 3 --work 262144
 

@@ -18,21 +18,27 @@ Workloads: prefill (one `--prefill-tokens` prompt, one new token) and decode (`-
 (transformers' default path: sdpa attention, a `DynamicCache`; AttnRes as `from_pretrained` gives it,
 which includes its fused C++ boundary kernel where it builds, unless `ATTNRES_CPU_KERNEL=0`),
 `torch-path` (AttnRes with that kernel off, `enable_cpu_kernel(False)`: the torch reference; Llama
-unchanged) and `compiled` (`generate(..., cache_implementation="static", compile_config=...)`,
-transformers' recipe: it compiles the decoding steps, with CUDA graphs on a GPU; the prefill stays
-eager there, so compiled mode has no prefill row). Peak memory: each model in a fresh process, the
+unchanged), `fused-llama` (AttnRes as in `eager`, against a Llama and its A/A control whose residual
+adds are fused into the next RMSNorm by vLLM's CPU kernel, `fused_llama.py`: the same residual-path
+fusion as AttnRes's boundary kernel, so the ratio is what depth attention itself costs) and
+`compiled` (`generate(..., cache_implementation="static", compile_config=...)`, transformers' recipe:
+it compiles the decoding steps, with CUDA graphs on a GPU; the prefill stays eager there, so compiled
+mode has no prefill row). Peak memory: each model in a fresh process, the
 peak RSS of a prefill and its own peak over the RSS it started from. `--accuracy` first compares each
 model's bfloat16 logits with its own float64 logits, AttnRes with each bank dtype.
 """
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,15 +58,19 @@ from common import (  # noqa: E402
     median_ms,
     ratios,
     rotate_runs,
+    rotation,
     run_logged,
     spread,
 )
+from fused_llama import fused_add_norm, fused_add_rms_norm_op  # noqa: E402
 
 from modeling_attnres import enable_cpu_kernel  # noqa: E402
 from modeling_attnres.depth_attention import bank_dtype  # noqa: E402
+from modeling_attnres.depth_attention_ops import site_bank  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODELS = ("attnres", "llama", "llama-2")        # subject, baseline, A/A control (a second baseline)
+MODES = ("eager", "fused-llama", "torch-path", "compiled")
 LABELS = {"attnres": "AttnRes", "llama": "Llama", "llama-2": "Llama (A/A)"}
 
 
@@ -98,6 +108,16 @@ def kernel_by_default() -> bool:
 
 
 def time_mode(args, models: dict, dtype_name: str, mode: str) -> list[list]:
+    """The rows of one dtype and mode (`fused-llama`: both Llamas with fused add+norm, see `fused_llama`)."""
+    with contextlib.ExitStack() as stack:
+        if mode == "fused-llama":
+            op = fused_add_rms_norm_op()
+            for kind in ("llama", "llama-2"):
+                stack.enter_context(fused_add_norm(models[kind], op))
+        return _time_mode(args, models, dtype_name, mode)
+
+
+def _time_mode(args, models: dict, dtype_name: str, mode: str) -> list[list]:
     """The rows of one dtype and mode: prefill (not in compiled mode) and each decode batch."""
     enable_cpu_kernel(mode != "torch-path" and kernel_by_default())    # AttnRes only: Llama never calls it
     shapes = [] if mode == "compiled" else [("prefill", 1, args.prefill_tokens, 1)]
@@ -132,9 +152,39 @@ def _status_mib(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def allocated_peak_probe(model: torch.nn.Module) -> tuple[Callable[[], float], Callable[[], float]]:
+    """`(allocated, peak)`: glibc's bytes in use (MiB; torch's CPU tensors are malloc'ed), and their
+    largest value seen at the entry and exit of every module of `model` since the probe was made.
+
+    RSS also counts what the allocator freed but kept, which moves a 512-token prefill's own peak by
+    +-25 MiB between identical processes; the bytes in use are what the model's tensors hold."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+
+    def allocated() -> float:
+        info = libc.mallinfo2()
+        return (info.uordblks + info.hblkhd) / 2**20
+
+    seen = [0.0]
+
+    def sample(*_args, **_kwargs) -> None:
+        seen[0] = max(seen[0], allocated())
+
+    for module in model.modules():
+        module.register_forward_pre_hook(sample)
+        module.register_forward_hook(sample)
+    return allocated, lambda: seen[0]
+
+
 def memory_probe(args) -> dict:
-    """In a fresh process: one model, a prefill; the peak RSS of the whole process and the peak of the
-    prefill alone over the RSS it started from (MiB).
+    """In a fresh process: one model, a prefill; the peak RSS of the whole process, the peak of the
+    prefill alone over the RSS it started from, and its peak of allocated bytes over the start (MiB).
 
     Loading peaks higher than a short prefill, so the lifetime peak (`ru_maxrss`) would hide the
     prefill. A first prefill pages in the weights (a checkpoint is memory-mapped) and the kernels'
@@ -142,40 +192,63 @@ def memory_probe(args) -> dict:
     high-water mark is reset (`/proc/self/clear_refs`), so that `VmHWM` is the second prefill's peak."""
     torch.set_num_threads(args.threads)
     model = build(args.memory_probe.removesuffix("-2"), args, DTYPES[args.dtype])
+    if args.bank_dtype and args.memory_probe == "attnres":
+        model.config.attn_res_bank_dtype = args.bank_dtype
     tokens = torch.randint(0, args.vocab_size, (1, args.prefill_tokens))
     run = generate_fn(model, "eager", 1, "cpu")
     run(tokens)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
+    allocated, allocated_peak = allocated_peak_probe(model)
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")                                                 # VmHWM := VmRSS
-    start = _status_mib("VmRSS")
+    start, start_allocated = _status_mib("VmRSS"), allocated()
     run(tokens)
-    return {"start_mib": start, "peak_mib": _status_mib("VmHWM")}
+    bank = 0.0
+    if args.memory_probe == "attnres":                       # the bank this prefill allocated, as the model does
+        embeds = torch.empty(1, args.prefill_tokens, model.config.hidden_size, dtype=model.dtype)
+        with torch.inference_mode():
+            bank = sum(t.nbytes for t in site_bank(embeds, model.config)[:2]) / 2**20
+    return {"start_mib": start, "peak_mib": _status_mib("VmHWM"), "allocated_mib": allocated_peak() - start_allocated,
+            "bank_mib": bank}
 
 
 def memory_rows(args) -> list[list]:
-    """Per dtype: each model's probe in its own process, one after the other."""
+    """Per dtype: each model's probe in `--memory-probes` fresh processes, the models in rotating order;
+    the medians. The bank (its sources x prefill tokens x (hidden x the bank dtype's bytes + 4)) is the
+    memory AttnRes adds: the floor of the allocated difference."""
     rows = []
     for dtype_name in args.dtypes:
-        res = {}
+        res = {kind: [] for kind in MODELS}
         with tempfile.TemporaryDirectory(prefix="attnres-bench-memory-") as tmp:
-            for kind in MODELS:
-                out, log = Path(tmp) / f"{kind}.json", Path(tmp) / f"{kind}.log"
-                cmd = [sys.executable, __file__, *sys.argv[1:], "--memory-probe", kind, "--dtype", dtype_name,
-                       "--probe-out", str(out)]
-                code = run_logged(cmd, log, timeout=1800)
-                if code != 0 or not out.exists():
-                    raise RuntimeError(f"memory probe of {kind} failed ({code}):\n{log.read_text()[-4000:]}")
-                res[kind] = json.loads(out.read_text())
-        peak = {k: v["peak_mib"] for k, v in res.items()}
-        own = {k: v["peak_mib"] - v["start_mib"] for k, v in res.items()}
-        rows.append([f"peak RSS, prefill 1x{args.prefill_tokens}", dtype_name,
-                     *(f"{peak[k]:.0f}" for k in MODELS), *(f"{own[k]:.1f}" for k in MODELS),
+            for repeat in range(args.memory_probes):
+                for kind in rotation(list(MODELS), repeat):
+                    out, log = Path(tmp) / f"{kind}.json", Path(tmp) / f"{kind}.log"
+                    cmd = [sys.executable, __file__, *sys.argv[1:], "--memory-probe", kind, "--dtype", dtype_name,
+                           "--probe-out", str(out)]
+                    code = run_logged(cmd, log, timeout=1800)
+                    if code != 0 or not out.exists():
+                        raise RuntimeError(f"memory probe of {kind} failed ({code}):\n{log.read_text()[-4000:]}")
+                    res[kind].append(json.loads(out.read_text()))
+                    out.unlink()
+        peak = {k: statistics.median(r["peak_mib"] for r in v) for k, v in res.items()}
+        own = {k: statistics.median(r["peak_mib"] - r["start_mib"] for r in v) for k, v in res.items()}
+        held = {k: statistics.median(r["allocated_mib"] for r in v) for k, v in res.items()}
+        rows.append([f"prefill 1x{args.prefill_tokens}", dtype_name, *(f"{peak[k]:.0f}" for k in MODELS),
                      f"**{peak['attnres'] / peak['llama']:.3f}**", f"**{peak['llama-2'] / peak['llama']:.3f}**",
-                     f"**{own['attnres'] / own['llama']:.2f}**" if own["llama"] > 0 else "-",
-                     f"**{own['llama-2'] / own['llama']:.2f}**" if own["llama"] > 0 else "-"])
+                     *(f"{own[k]:.1f}" for k in MODELS), *(f"{held[k]:.1f}" for k in MODELS),
+                     f"{held['attnres'] - held['llama']:+.1f}", f"{held['llama-2'] - held['llama']:+.1f}",
+                     f"{res['attnres'][0]['bank_mib']:.1f}", args.memory_probes])
     return rows
+
+
+MEMORY_COLUMNS = ["memory", "dtype", *(f"{LABELS[k]} peak RSS MiB" for k in MODELS), "AttnRes / Llama", "A/A",
+                  *(f"{LABELS[k]} prefill's own RSS MiB" for k in MODELS),
+                  *(f"{LABELS[k]} prefill's own allocated MiB" for k in MODELS),
+                  "allocated: AttnRes - Llama MiB", "allocated: A/A - Llama MiB", "AttnRes bank MiB", "probes"]
+CUDA_MEMORY_COLUMNS = ["memory", "dtype", *(f"{LABELS[k]} MiB" for k in MODELS),
+                       *(f"{LABELS[k]} prefill's own MiB" for k in MODELS), "AttnRes / Llama", "A/A",
+                       "prefill's own: AttnRes / Llama", "prefill's own: A/A"]
 
 
 def cuda_memory_rows(args) -> list[list]:
@@ -245,14 +318,16 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "torch-path", "compiled"),
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
                         help="eager: transformers' default path (AttnRes with its C++ kernel where it builds); "
-                             "torch-path: AttnRes with the kernel off; compiled: generate() with a static cache "
-                             "and transformers' compile_config")
+                             "fused-llama: the same against Llamas whose residual adds are fused into the next "
+                             "RMSNorm (vLLM's kernel); torch-path: AttnRes with the kernel off; compiled: "
+                             "generate() with a static cache and transformers' compile_config")
     parser.add_argument("--repeats", type=int, default=12, help="paired repeats (a multiple of 6 is balanced)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
+    parser.add_argument("--memory-probes", type=int, default=3, help="fresh processes per model (medians)")
     parser.add_argument("--memory-probe", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -295,9 +370,8 @@ def main(argv=None) -> None:
     if not args.no_memory:
         memory = cuda_memory_rows(args) if args.device.startswith("cuda") else memory_rows(args)
         print()
-        print(markdown_table(["memory", "dtype", *(f"{LABELS[k]} MiB" for k in MODELS),
-                              *(f"{LABELS[k]} prefill's own MiB" for k in MODELS), "AttnRes / Llama",
-                              "A/A", "prefill's own: AttnRes / Llama", "prefill's own: A/A"], memory))
+        print(markdown_table(MEMORY_COLUMNS if not args.device.startswith("cuda") else CUDA_MEMORY_COLUMNS,
+                             memory))
     print(footer())
 
 

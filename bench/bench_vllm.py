@@ -22,7 +22,9 @@ The rules, each against a way the numbers have misled before:
 - the warm-up runs each workload once per engine at the timed size;
 - the prompt and generated token counts of every engine are compared in every repeat (a mismatch
   stops the run);
-- versions, machine (CPU model, AMX), load and every setting are printed with the tables.
+- versions, machine (CPU model, AMX), load and every setting are printed with the tables;
+- `--compile dynamo` runs as `attnres-serve` does: `ATTNRES_CPU_KERNEL=compiled` (the C++ boundary op
+  inside the graphs) unless the variable is set.
 
 Workloads (each list may be given empty): prefill of one `--prefill-tokens` prompt (1 new token,
 chunked in steps of `--max-num-batched-tokens`; timed: the whole request); decode of `--decode-batches`
@@ -67,8 +69,10 @@ from common import (  # noqa: E402
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 COMPILE = {"eager": None, "dynamo": {"mode": 2, "backend": "eager"}, "inductor": {}}
-COMPILE_NAMES = {"eager": "eager (enforce_eager)", "dynamo": 'Dynamo only ({"mode": 2, "backend": "eager"}, '
-                 "what `make serve` runs)", "inductor": "vLLM's default compilation (Inductor)"}
+COMPILE_NAMES = {"eager": "eager (enforce_eager)",
+                 "dynamo": 'Dynamo only ({"mode": 2, "backend": "eager"}, the C++ boundary op in the graphs unless '
+                           "ATTNRES_CPU_KERNEL is set: what `make serve` runs)",
+                 "inductor": "vLLM's default compilation (Inductor)"}
 # name: (subject, baseline, control); the control is a second engine of the baseline.
 COMPARISONS = {"llama": ("attnres", "llama", "llama-2"),
                "transformers-backend": ("transformers-backend", "plugin", "plugin-2")}
@@ -470,6 +474,8 @@ def main(argv=None) -> None:
         result = run_engines(plan) if plan["task"] == "engines" else profile_kv(plan)
         Path(args.child[1]).write_text(json.dumps(result))
         return
+    if args.compile == "dynamo" and "ATTNRES_CPU_KERNEL" not in os.environ:
+        os.environ["ATTNRES_CPU_KERNEL"] = "compiled"     # the C++ op in the graphs, as attnres-serve runs it
     with tempfile.TemporaryDirectory(prefix="attnres-bench-vllm-") as tmp:
         args.max_positions = max([*args.prefill_tokens, args.decode_context, args.long_context]) + args.new_tokens + 8
         paths = write_models(args, Path(tmp))

@@ -18,6 +18,7 @@ from tests.support.processes import run_bounded
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402
+import fused_llama  # noqa: E402
 
 TINY = ["--hidden-size", "128", "--num-hidden-layers", "4", "--num-attention-heads", "2",   # head_dim 64:
         "--num-key-value-heads", "1", "--intermediate-size", "256", "--vocab-size", "256"]  # vLLM CPU attention
@@ -115,6 +116,41 @@ def test_spread_is_the_median_and_range_of_the_pairs():
     assert common.ratios([{"x": 2.0, "y": 1.0}, {"x": 3.0, "y": 3.0}], "x", "y") == [2.0, 1.0]
 
 
+@pytest.mark.timeout(300)
+def test_fused_llama_calls_one_add_norm_per_sublayer_and_changes_nothing_else():
+    """The `fused-llama` baseline: the same logits and tokens as transformers' Llama, with 2 x layers
+    fused calls per forward, one per residual add (a patch that did nothing would make none), and the
+    model restored after."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=256)
+    model = LlamaForCausalLM(config).eval()
+    kernel, calls = fused_llama.fused_add_rms_norm_op(), []
+
+    def op(x, residual, weight, eps):
+        calls.append(weight.data_ptr())
+        kernel(x, residual, weight, eps)
+
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        with fused_llama.fused_add_norm(model, op):
+            fused = model(ids).logits
+            assert len(calls) == 2 * config.num_hidden_layers        # the first norm has nothing to add
+            fused_tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                          do_sample=False)
+        after = model(ids).logits
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused_tokens, tokens) and torch.equal(after, expected)
+    assert calls[:2] == [model.model.layers[0].post_attention_layernorm.weight.data_ptr(),
+                         model.model.layers[1].input_layernorm.weight.data_ptr()]
+    assert calls[2 * config.num_hidden_layers - 1] == model.model.norm.weight.data_ptr()
+    assert not any("forward" in vars(m) for m in [*model.model.layers, model.model.norm])
+
+
 # -- each script end to end ------------------------------------------------------------------------------------
 
 
@@ -134,21 +170,26 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
     assert convert.returncode == 0, convert.stderr[-3000:]
     out = run("bench_transformers.py", "--model", str(tmp_path / "attnres"), "--source", str(tmp_path / "llama"),
               "--accuracy", "--repeats", "2", "--prefill-tokens", "8", "--prompt-tokens", "4", "--new-tokens", "2",
-              "--decode-batches", "2", "--dtypes", "bfloat16")
-    assert_header(out, "repeats 2 in rotating order", "fresh random token ids every repeat", "modes eager")
+              "--decode-batches", "2", "--dtypes", "bfloat16", "--modes", "eager", "fused-llama",
+              "--memory-probes", "2")
+    assert_header(out, "repeats 2 in rotating order", "fresh random token ids every repeat",
+                  "modes eager, fused-llama")
     assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
     accuracy, timing, memory = tables(out)
     assert [(r["model"], r["attn_res_bank_dtype"], r["bank kept in"]) for r in accuracy] == [
         ("llama", "-", "-"), ("attnres", "float32", "float32"), ("attnres", "auto", "bfloat16")], out
-    assert [(r["workload"], r["mode"]) for r in timing] == [("prefill 1x8", "eager"),
-                                                            ("decode 2x2 (prompt 4)", "eager")], out
+    assert [(r["workload"], r["mode"]) for r in timing] == [
+        (workload, mode) for mode in ("eager", "fused-llama") for workload in ("prefill 1x8", "decode 2x2 (prompt 4)")
+    ], out
     for row in timing:
         spread(column(row, "AttnRes / Llama"))
         spread(column(row, "A/A: Llama (A/A) / Llama"))
         assert row["pairs"] == "2" and all(float(row[f"{m} ms"]) > 0 for m in ("AttnRes", "Llama", "Llama (A/A)"))
     assert re.search(r"^CPU share of the timing .*: \d+ %$", out, re.M), out
     (peak,) = memory
-    assert float(peak["Llama (A/A) MiB"]) > 0 and re.fullmatch(r"\*\*\d+\.\d+\*\*", peak["A/A"]), out
+    assert float(peak["Llama (A/A) peak RSS MiB"]) > 0 and re.fullmatch(r"\*\*\d+\.\d+\*\*", peak["A/A"]), out
+    assert peak["probes"] == "2" and float(peak["AttnRes bank MiB"]) >= 0, out
+    assert re.fullmatch(r"[+-]\d+\.\d", peak["allocated: AttnRes - Llama MiB"]), out
 
 
 @pytest.mark.timeout(900)
