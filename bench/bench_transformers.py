@@ -19,12 +19,13 @@ Workloads: prefill (one `--prefill-tokens` prompt, one new token) and decode (`-
 which includes its fused C++ boundary kernel where it builds, unless `ATTNRES_CPU_KERNEL=0`),
 `torch-path` (AttnRes with that kernel off, `enable_cpu_kernel(False)`: the torch reference; Llama
 unchanged), `fused-llama` (AttnRes as in `eager`, against a Llama and its A/A control whose residual
-adds are fused into the next RMSNorm by vLLM's CPU kernel, `fused_llama.py`: the same residual-path
-fusion as AttnRes's boundary kernel, so the ratio is what depth attention itself costs) and
+adds are fused into the next RMSNorm by a C++ kernel built like AttnRes's, `fused_llama.py`: the same
+residual-path fusion as AttnRes's boundary kernel, so the ratio is what depth attention itself costs) and
 `compiled` (`generate(..., cache_implementation="static", compile_config=...)`, transformers' recipe:
 it compiles the decoding steps, with CUDA graphs on a GPU; the prefill stays eager there, so compiled
-mode has no prefill row). Peak memory: each model in a fresh process, the
-peak RSS of a prefill and its own peak over the RSS it started from. `--accuracy` first compares each
+mode has no prefill row). Peak memory: each model in `--memory-probes` fresh processes, the peak RSS
+of a prefill, its own peak over the RSS it started from, and the allocator's bytes at its peak over
+those before, beside the bank's size (medians). `--accuracy` first compares each
 model's bfloat16 logits with its own float64 logits, AttnRes with each bank dtype.
 """
 
@@ -321,7 +322,7 @@ def parse_args(argv=None):
     parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
                         help="eager: transformers' default path (AttnRes with its C++ kernel where it builds); "
                              "fused-llama: the same against Llamas whose residual adds are fused into the next "
-                             "RMSNorm (vLLM's kernel); torch-path: AttnRes with the kernel off; compiled: "
+                             "RMSNorm (bench/fused_llama.py); torch-path: AttnRes with the kernel off; compiled: "
                              "generate() with a static cache and transformers' compile_config")
     parser.add_argument("--repeats", type=int, default=12, help="paired repeats (a multiple of 6 is balanced)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

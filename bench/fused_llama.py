@@ -8,7 +8,7 @@ AttnRes's default path does its whole boundary (add, block store, depth mix, nex
 call, so against the plain Llama its ratio includes the fusion's gain; against this Llama it says what
 the depth attention itself costs.
 
-The kernel below is built the way AttnRes's is (`load_inline`, `-O3 -march=native`, OpenMP through
+The kernel below is built the way AttnRes's is (`load_inline` with its `compiler_flags`, OpenMP through
 `at::parallel_for` over tokens in chunks of 16, so that one decoded token runs inline with no thread
 team to wake): vLLM's own CPU kernel starts an OpenMP team on every call, which costs milliseconds
 per call on a loaded 2-core machine and would make this baseline slower than the one it improves.
@@ -20,11 +20,12 @@ final norm run the fused order (vLLM's `LlamaDecoderLayer.forward`); on exit the
 """
 
 import contextlib
-import platform
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+
+from modeling_attnres.depth_attention_cpu import compiler_flags
 
 AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
@@ -81,12 +82,7 @@ def fused_add_rms_norm_op() -> AddNorm:
     `x = RMSNorm(residual)`; compiled on first use (a C++ compiler and ninja, as AttnRes's kernel)."""
     from torch.utils.cpp_extension import load_inline
 
-    flags, ldflags = ["-O3", "-march=native"], []
-    if platform.system() == "Linux":
-        flags.append("-fopenmp")
-        ldflags.append("-fopenmp")
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags.append("-mprefer-vector-width=512")
+    flags, ldflags = compiler_flags()                            # AttnRes's kernel's own
     module = load_inline("attnres_bench_fused_add_rms_norm", cpp_sources=_SOURCE, functions=["fused_add_rms_norm"],
                          extra_cflags=flags, extra_ldflags=ldflags)
     return module.fused_add_rms_norm

@@ -406,22 +406,29 @@ def _build_lock(build_dir: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def compiler_flags() -> tuple[list[str], list[str]]:
+    """The compile and link flags of the kernel (`load_inline`'s `extra_cflags`, `extra_ldflags`): for
+    this CPU, OpenMP where the compiler has it."""
+    flags, ldflags = ["-O3", "-march=native"], []
+    if platform.system() == "Linux":
+        # OpenMP makes at::parallel_for split tokens across torch's threads; the library it links
+        # (libgomp.so.1) resolves to the copy torch already loaded. Apple clang has no -fopenmp.
+        flags.append("-fopenmp")
+        ldflags.append("-fopenmp")
+    else:
+        flags.append("-fopenmp-simd")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")  # full AVX-512 width where there is one
+    return flags, ldflags
+
+
 def _build():
     """Compile (or load from torch's extension cache) the kernel module; one line of log when compiled."""
     global _module
     if _module is None:
         import torch.utils.cpp_extension as cpp_extension
 
-        flags, ldflags = ["-O3", "-march=native"], []
-        if platform.system() == "Linux":
-            # OpenMP makes at::parallel_for split tokens across torch's threads; the library it links
-            # (libgomp.so.1) resolves to the copy torch already loaded. Apple clang has no -fopenmp.
-            flags.append("-fopenmp")
-            ldflags.append("-fopenmp")
-        else:
-            flags.append("-fopenmp-simd")
-        if platform.machine().lower() in ("x86_64", "amd64"):
-            flags.append("-mprefer-vector-width=512")  # full AVX-512 width where there is one
+        flags, ldflags = compiler_flags()
         name, start = _extension_name(), time.perf_counter()
         try:
             build_dir = cpp_extension._get_build_directory(name, False)      # where load_inline builds it
