@@ -67,8 +67,10 @@ from common import (  # noqa: E402
     spread,
 )
 
+from attnres.serving.cli import DEFAULT_COMPILATION, installed_vllm, kernel_setting  # noqa: E402
+
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-COMPILE = {"eager": None, "dynamo": {"mode": 2, "backend": "eager"}, "inductor": {}}
+COMPILE = {"eager": None, "dynamo": json.loads(DEFAULT_COMPILATION), "inductor": {}}
 COMPILE_NAMES = {"eager": "eager (enforce_eager)",
                  "dynamo": 'Dynamo only ({"mode": 2, "backend": "eager"}, the C++ boundary op in the graphs unless '
                            "ATTNRES_CPU_KERNEL is set: what `make serve` runs)",
@@ -474,8 +476,10 @@ def main(argv=None) -> None:
         result = run_engines(plan) if plan["task"] == "engines" else profile_kv(plan)
         Path(args.child[1]).write_text(json.dumps(result))
         return
-    if args.compile == "dynamo" and "ATTNRES_CPU_KERNEL" not in os.environ:
-        os.environ["ATTNRES_CPU_KERNEL"] = "compiled"     # the C++ op in the graphs, as attnres-serve runs it
+    compilation = [] if COMPILE[args.compile] is None else ["--compilation-config", json.dumps(COMPILE[args.compile])]
+    kernel = kernel_setting(compilation, cpu=installed_vllm()[1])      # attnres-serve's own rule
+    if kernel:
+        os.environ["ATTNRES_CPU_KERNEL"] = kernel
     with tempfile.TemporaryDirectory(prefix="attnres-bench-vllm-") as tmp:
         args.max_positions = max([*args.prefill_tokens, args.decode_context, args.long_context]) + args.new_tokens + 8
         paths = write_models(args, Path(tmp))
