@@ -108,24 +108,50 @@ static void softmax_weights(const src_t* S, const acc_t* inv, const acc_t* p, co
   for (i = 0; i <= n; ++i) w[i] /= z;
 }
 
-// The weighted sum of the rows and p into mix[0..d), chunk by chunk (a chunk stays in L1 while every
-// row is added to it); the row of a token is still cached from the scores.
+// The weighted sum of the rows and p into mix[0..d), four rows per pass over mix (one load and store of it
+// per four rows, the sum's order unchanged); the rows of a token are still cached from the scores.
 template <typename acc_t, typename src_t>
 static void weighted_sum(const src_t* S, const acc_t* p, const acc_t* w, int64_t n, int64_t d, acc_t* mix) {
-  constexpr int64_t kChunk = 256;
-  for (int64_t j0 = 0; j0 < d; j0 += kChunk) {
-    const int64_t len = std::min(kChunk, d - j0);
-    acc_t* buf = mix + j0;
-    const acc_t wp = w[n];
+  const acc_t wp = w[n];
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) buf[j] = wp * p[j0 + j];
-    for (int64_t i = 0; i < n; ++i) {
-      const src_t* row = S + i * d + j0;
-      const acc_t wi = w[i];
+  for (int64_t j = 0; j < d; ++j) mix[j] = wp * p[j];
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const src_t *r0 = S + i * d, *r1 = r0 + d, *r2 = r1 + d, *r3 = r2 + d;
+    const acc_t w0 = w[i], w1 = w[i + 1], w2 = w[i + 2], w3 = w[i + 3];
 #pragma omp simd
-      for (int64_t j = 0; j < len; ++j) buf[j] += wi * static_cast<acc_t>(row[j]);
-    }
+    for (int64_t j = 0; j < d; ++j)
+      mix[j] = mix[j] + w0 * static_cast<acc_t>(r0[j]) + w1 * static_cast<acc_t>(r1[j]) +
+               w2 * static_cast<acc_t>(r2[j]) + w3 * static_cast<acc_t>(r3[j]);
   }
+  for (; i < n; ++i) {
+    const src_t* r0 = S + i * d;
+    const acc_t w0 = w[i];
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) mix[j] += w0 * static_cast<acc_t>(r0[j]);
+  }
+}
+
+// The next sublayer's RMSNorm of one token's mix, rounded as transformers' `LlamaRMSNorm`, in two steps.
+// `rms_row`: y = the mix rounded to T (the model's dtype), as float32; returns 1 / sqrt(mean(y^2) + eps),
+// the float32 squares summed in double so that the mean rounds as torch's near-exact one. The rounding and
+// the double sum are separate loops: GCC does not vectorize them as one (a boundary took 1.7x as long).
+template <typename T, typename acc_t>
+static float rms_row(const acc_t* mix, int64_t d, float eps, float* y) {
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) y[j] = static_cast<float>(to<T>(mix[j]));
+  double ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(y[j] * y[j]);
+  return 1.0f / std::sqrt(static_cast<float>(ss / d) + eps);
+}
+
+// `scale_row`: out = weight * (y * rs rounded to T), in the promoted dtype To; the weight is float, or double
+// for a double result (w_t).
+template <typename T, typename To, typename w_t>
+static void scale_row(const float* y, float rs, const w_t* weight, int64_t d, To* out) {
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) out[j] = to<To>(weight[j] * static_cast<w_t>(static_cast<float>(to<T>(y[j] * rs))));
 }
 
 // `push_source` for one token: p rounded into the bank row, the inverse RMS of the rounded row.
@@ -259,30 +285,15 @@ _Pragma("omp simd")
             });
           }
           if (!has_norm) continue;
-          double ss = 0;  // float32 squares summed in double: the mean rounds as torch's (near-exact) one
-          float rs = 0;
           with_dtype(dtype, [&](auto tag) {  // the norm reads the mix rounded to `dtype`, as float32
             using T = decltype(tag);
-_Pragma("omp simd reduction(+ : ss)")
-            for (int64_t j = 0; j < d; ++j) {
-              const float x = static_cast<float>(to<T>(mix[j]));
-              y[j] = x;
-              ss += static_cast<double>(x * x);
-            }
-            rs = 1.0f / std::sqrt(static_cast<float>(ss / d) + neps);
-_Pragma("omp simd")
-            for (int64_t j = 0; j < d; ++j) y[j] = static_cast<float>(to<T>(y[j] * rs));  // normalised, in `dtype`
-          });
-          with_dtype(norm_dtype, [&](auto tag) {  // times the weight, in the promoted dtype
-            using T = decltype(tag);
-            T* o = normed.data_ptr<T>() + t * d;
-            if constexpr (std::is_same_v<T, double>) {
-_Pragma("omp simd")
-              for (int64_t j = 0; j < d; ++j) o[j] = nwd[j] * y[j];
-            } else {
-_Pragma("omp simd")
-              for (int64_t j = 0; j < d; ++j) o[j] = to<T>(nwf[j] * y[j]);
-            }
+            const float rs = rms_row<T, acc_t>(mix.data(), d, neps, y.data());
+            with_dtype(norm_dtype, [&](auto out_tag) {  // times the weight, in the promoted dtype
+              using To = decltype(out_tag);
+              To* o = normed.data_ptr<To>() + t * d;
+              if constexpr (std::is_same_v<To, double>) scale_row<T, To, double>(y.data(), rs, nwd.data(), d, o);
+              else scale_row<T, To, float>(y.data(), rs, nwf.data(), d, o);
+            });
           });
         }
       });
