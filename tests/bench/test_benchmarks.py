@@ -151,6 +151,24 @@ def test_fused_llama_calls_one_add_norm_per_sublayer_and_changes_nothing_else():
     assert not any("forward" in vars(m) for m in [*model.model.layers, model.model.norm])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_llama_kernel_rounds_as_llama_in_every_dtype(dtype):
+    """The kernel's add rounds to the model's dtype and its norm is `LlamaRMSNorm`'s, in each dtype it takes
+    (bfloat16 rounds by hand in the kernel, so it is checked against torch's own rounding)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    x, residual = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        expected_residual = (residual.float() + x.float()).to(dtype)
+        expected = norm(expected_residual)
+        fused_llama.fused_add_rms_norm_op()(x, residual, norm.weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    torch.testing.assert_close(x, expected)                 # the sum of squares may add in another order
+
+
 # -- each script end to end ------------------------------------------------------------------------------------
 
 
@@ -263,6 +281,29 @@ def test_bench_depth_checks_every_path_against_mix_site_and_reports_each_lever()
     assert len(rows) == 4, out
     found = [float(x) for x in re.findall(r"\*\*(\d+\.\d+)x\*\*", out)]
     assert len(found) == 12 and all(r > 0 for r in found), out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("baseline", ["fused-llama", "vllm"])
+def test_bench_boundary_times_the_kernel_against_llamas_add_norm_with_an_aa_control(baseline):
+    """One row per (tokens, stored sources), each with AttnRes's, Llama's and the control's microseconds,
+    the ratio and the A/A ratio with their spreads; both Llama sides (our kernel, vLLM's op) run."""
+    out = run("bench_boundary.py", "--hidden-size", "64", "--tokens", "1", "33", "--sources", "0", "3",
+              "--repeats", "2", "--calls", "2", "--baseline", baseline, timeout=240)
+    assert_header(out, "hidden 64", f"Llama side {baseline}", "repeats 2")
+    [rows] = tables(out)
+    assert [(r["tokens"], r["stored sources"]) for r in rows] == [("1", "0"), ("1", "3"), ("33", "0"), ("33", "3")]
+    for row in rows:
+        spread(row["AttnRes / Llama (median, min-max)"]), spread(row["A/A (median, min-max)"])
+        assert all(float(row[c]) > 0 for c in ("AttnRes us", "Llama us", "Llama (A/A) us")), row
+        assert row["pairs"] == "2", row
+
+
+def test_bench_boundary_rejects_a_bad_size_naming_it():
+    done = run_bounded([sys.executable, str(ROOT / "bench" / "bench_boundary.py"), "--tokens", "0", "8"],
+                       timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "--tokens [0, 8]" in done.stderr and "expected tokens >= 1" in done.stderr, \
+        done.stderr
 
 
 @pytest.mark.timeout(660)

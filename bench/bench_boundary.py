@@ -1,0 +1,136 @@
+"""One sublayer boundary on a CPU, per call: AttnRes's C++ kernel against Llama's fused add+RMSNorm.
+
+    python bench/bench_boundary.py                         # hidden 576 (SmolLM2), bfloat16, 1..4096 tokens
+    python bench/bench_boundary.py --hidden-size 1024 --dtype float32 --tokens 1 512 --sources 0 8
+    python bench/bench_boundary.py --baseline vllm         # vLLM's own CPU op as the Llama side
+
+What a model does between two sublayers, on the same shapes, in one process:
+- `AttnRes`: `depth_attention_ops.site_boundary` as both models call it in eager CPU inference (the C++
+  kernel): the sublayer's output added into the float32 partial, the mix of `n` stored sources and the
+  partial, the next sublayer's RMSNorm. A boundary that closes a block also writes one bank row; the
+  table times the others, which are most of them.
+- `Llama`: `residual += output; output = RMSNorm(residual)` in place, one call: `bench/fused_llama.py`'s
+  kernel (built as AttnRes's is), or with `--baseline vllm` vLLM's `_C.fused_add_rms_norm`, the op
+  vLLM's Llama calls there.
+- `Llama (A/A)`: the same op on its own tensors, timed the same way: the control.
+
+Each repeat times `--calls` calls of each, in a rotating order (`common.alternate`); the table gives
+median microseconds per call, the paired ratios (median, min-max) and what AttnRes adds per token.
+The end-to-end effect is `bench_vllm.py`'s and `bench_transformers.py`'s to measure; this script says
+where it comes from (how the kernel's cost grows with the tokens of a step and the stored sources).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import alternate, footer, header, markdown_table, ratios, spread  # noqa: E402
+from fused_llama import fused_add_rms_norm_op  # noqa: E402
+
+from modeling_attnres.depth_attention import empty_bank, push_source  # noqa: E402
+from modeling_attnres.depth_attention_cpu import cpu_kernel_applies  # noqa: E402
+from modeling_attnres.depth_attention_ops import site_boundary  # noqa: E402
+
+EPS = 1e-6
+NAMES = ("AttnRes", "Llama", "Llama (A/A)")
+
+
+def llama_op(baseline: str):
+    """The in-place `op(x, residual, weight, eps)` of the Llama side."""
+    if baseline == "vllm":
+        import vllm._C  # noqa: F401  (registers torch.ops._C)
+
+        return torch.ops._C.fused_add_rms_norm
+    return fused_add_rms_norm_op()
+
+
+def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype):
+    """A boundary over `sources` stored rows (of a bank with room for `sources + 1`), as the models call it."""
+    gen = torch.Generator().manual_seed(sources)
+    embeds = torch.randn(tokens, d, generator=gen).to(dtype)
+    bank = empty_bank(embeds, sources + 1, dtype)
+    for _ in range(sources):
+        bank = push_source(bank, torch.randn(tokens, d, generator=gen), EPS)
+    partial, output = torch.randn(tokens, d, generator=gen), torch.randn(tokens, d, generator=gen).to(dtype)
+    query, gain, norm = (torch.randn(1, d, generator=gen).to(dtype), torch.rand(d, generator=gen).to(dtype),
+                         torch.rand(d, generator=gen).to(dtype))
+    if not cpu_kernel_applies(partial):
+        raise SystemExit("The AttnRes C++ kernel is off or could not be built (see the log line above); this "
+                         "benchmark times it. Unset ATTNRES_CPU_KERNEL=0, or install a C++ compiler and ninja.")
+
+    def call():
+        site_boundary(bank, partial, output, query, gain, EPS, False, norm, 1e-5)
+    return call
+
+
+def llama_call(op, tokens: int, d: int, dtype: torch.dtype, seed: int):
+    """Llama's boundary on its own tensors (`op` works in place; the values stay finite over many calls)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(tokens, d, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.rand(d, generator=gen).to(dtype)
+
+    def call():
+        op(x, residual, weight, 1e-5)
+    return call
+
+
+def repeated(fn, calls: int):
+    """`fn` `calls` times: one timed unit."""
+    def run():
+        for _ in range(calls):
+            fn()
+    return run
+
+
+def measure(args, op, tokens: int, sources: int, dtype: torch.dtype) -> list:
+    """One table row: median microseconds per call of each, and the paired ratios."""
+    calls = args.calls or max(4, min(2000, 262144 // tokens))        # ~the same time per repeat at every size
+    runs = {NAMES[0]: repeated(attnres_call(tokens, args.hidden_size, sources, dtype), calls),
+            NAMES[1]: repeated(llama_call(op, tokens, args.hidden_size, dtype, 1), calls),
+            NAMES[2]: repeated(llama_call(op, tokens, args.hidden_size, dtype, 2), calls)}
+    paired: list[dict[str, float]] = []
+    alternate(runs, args.repeats, warmup=1, paired=paired)
+    us = {name: statistics.median(run[name] for run in paired) / calls * 1e6 for name in NAMES}
+    extra_ns = (us[NAMES[0]] - us[NAMES[1]]) / tokens * 1e3
+    return [tokens, sources, f"{us[NAMES[0]]:.1f}", f"{us[NAMES[1]]:.1f}", f"{us[NAMES[2]]:.1f}",
+            spread(ratios(paired, NAMES[0], NAMES[1])), spread(ratios(paired, NAMES[2], NAMES[1])),
+            f"{extra_ns:.1f}", len(paired)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-size", type=int, default=576)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 1024, 4096])
+    parser.add_argument("--sources", type=int, nargs="+", default=[0, 4, 8],
+                        help="stored sources the boundary reads (SmolLM2 with block size 4: 1 to 8)")
+    parser.add_argument("--baseline", choices=("fused-llama", "vllm"), default="fused-llama")
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--calls", type=int, default=0, help="calls per timed unit (default: by size)")
+    args = parser.parse_args()
+    bad = [f"--{k} {v}" for k, v in (("tokens", args.tokens), ("sources", args.sources))
+           if any(x < (1 if k == "tokens" else 0) for x in v)]
+    if bad or args.repeats < 2 or args.hidden_size < 1:
+        parser.error(f"{', '.join(bad) or f'--repeats {args.repeats} / --hidden-size {args.hidden_size}'}: "
+                     "expected tokens >= 1, sources >= 0, repeats >= 2 and a positive hidden size")
+    dtype = getattr(torch, args.dtype)
+    op = llama_op(args.baseline)
+    with torch.inference_mode():                                  # as the models run: no autograd
+        rows = [measure(args, op, tokens, sources, dtype) for tokens in args.tokens for sources in args.sources]
+    print(header("One sublayer boundary, AttnRes's C++ kernel / Llama's fused add+RMSNorm", {
+        "hidden": args.hidden_size, "dtype": args.dtype, "Llama side": args.baseline, "repeats": args.repeats,
+        "threads": torch.get_num_threads()}))
+    print()
+    print(markdown_table(["tokens", "stored sources", "AttnRes us", "Llama us", "Llama (A/A) us",
+                          "AttnRes / Llama (median, min-max)", "A/A (median, min-max)",
+                          "AttnRes - Llama per token, ns", "pairs"], rows))
+    print()
+    print(footer())
+
+
+if __name__ == "__main__":
+    main()
