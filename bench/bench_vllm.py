@@ -43,6 +43,7 @@ import gc
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -172,16 +173,20 @@ def kv_tokens(llm) -> int:
 
 
 def timed_generate(llm, work: Workload, prompts, params) -> dict:
-    """One `generate` call: seconds of the timed part, the tokens processed, and the call's wall and
+    """One `generate` call: seconds of the timed part, the tokens processed, the call's wall and
     process CPU seconds (their ratio says how much of the cores the benchmark got: other jobs on the
-    machine show as a share well below the thread count)."""
+    machine show as a share well below the thread count) and the process's minor page faults during it
+    (memory the allocator had to map afresh)."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults   # the engine core runs in this process
     timed = wall
     if work.kind == "decode":                  # engine timestamps: from the last first token to the last token
         timed = max(o.metrics.last_token_ts for o in outputs) - max(o.metrics.first_token_ts for o in outputs)
-    return {"seconds": timed, "wall": wall, "cpu": cpu, "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+    return {"seconds": timed, "wall": wall, "cpu": cpu, "faults": faults,
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
             "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
 
 
@@ -406,7 +411,16 @@ def report(args, runs: list[dict], kv: dict, paths: dict[str, Path], work: list[
     print(f"\nengine start-up (loading + compilation), in build order: {startup}")
     print(f"CPU share of the timed calls (process CPU time / wall time / threads; 100 % = the cores to itself): "
           f"{cpu_share(runs)}")
+    print("minor page faults per timed call (median; memory mapped afresh during the call), per build order: "
+          + "; ".join(f"{w.name}: {page_faults(runs, w.name)}" for w in work))
     print(footer())
+
+
+def page_faults(runs: list[dict], workload: str) -> str:
+    """Per build order, each engine's median minor page faults per timed call of `workload`."""
+    return ", ".join(f"{r['label']} " + " / ".join(
+        f"{LABELS[name]} {statistics.median(run[name]['faults'] for run in r['workloads'][workload]):.0f}"
+        for name in r["order"]) for r in runs)
 
 
 def cpu_share(runs: list[dict]) -> str:

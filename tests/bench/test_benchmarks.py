@@ -238,6 +238,11 @@ def test_bench_vllm_reports_each_ratio_beside_its_aa_control_over_both_build_ord
         assert len(column(row, "peak growth").split(" / ")) == 2, row
     assert all(int(column(r, "KV capacity, tokens, vLLM's profiling")) > 0 for r in memory[:2]), memory
     assert re.search(r"^CPU share of the timed calls .*: forward \d+ %, reverse \d+ %$", out, re.M), out
+    engines = r"AttnRes \d+ / Llama \d+ / Llama \(A/A\) \d+"
+    reverse = r"Llama \(A/A\) \d+ / Llama \d+ / AttnRes \d+"
+    per_workload = [rf"{re.escape(w)}: forward {engines}, reverse {reverse}" for w in expected_tokens]
+    assert re.search(r"^minor page faults per timed call .*, per build order: " + "; ".join(per_workload) + "$",
+                     out, re.M), out
 
 
 @pytest.mark.timeout(660)
