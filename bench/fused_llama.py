@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from modeling_attnres.depth_attention_cpu import compiler_flags
+from modeling_attnres.depth_attention_cpu import ROUNDING_CPP, compiler_flags
 
 AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
@@ -36,21 +36,10 @@ _SOURCE = r"""
 #include <cstring>
 #include <type_traits>
 
-// `v` in T, rounded to nearest even: for bfloat16 the bits by hand, as AttnRes's kernel does (c10's conversion
-// has a branch that stops these loops from vectorizing: a bfloat16 call took 14x as long).
-template <typename T>
-static inline T to(float v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    uint32_t b;
-    std::memcpy(&b, &v, sizeof(b));
-    const uint16_t bits = v != v ? uint16_t(0x7FC0) : static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-    return c10::BFloat16(bits, c10::BFloat16::from_bits());
-  } else {
-    return static_cast<T>(v);
-  }
-}
-
-// Separate loops for the rounded add, the sum of squares and the scaling: GCC vectorizes each alone.
+""" + ROUNDING_CPP + r"""
+// `to<T>` is AttnRes's rounding (ROUNDING_CPP: c10's conversion has a branch that stops these loops from
+// vectorizing; a bfloat16 call took 14x as long). Separate loops for the rounded add, the sum of squares
+// and the scaling: GCC vectorizes each alone.
 template <typename T>
 static void add_norm_rows(T* x, T* r, const T* w, int64_t N, int64_t d, float eps) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {

@@ -38,6 +38,24 @@ from .depth_attention import DepthBank, SiteBoundary, acc, fold_queries, push_so
 
 logger = logging.getLogger(__name__)
 
+# `to<T>(v)` in C++: v in T, rounded to nearest even. Kept apart so that the benchmarks' fused Llama kernel
+# (bench/fused_llama.py) rounds exactly as this one does.
+ROUNDING_CPP = r"""
+// `v` in T, rounded to nearest even: for bfloat16 the bits by hand (c10's rounding, without its branch, so
+// that loops of it vectorize).
+template <typename T, typename S>
+static inline T to(S v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<S, float>) {
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof(b));
+    const uint16_t bits = v != v ? uint16_t(0x7FC0) : static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    return c10::BFloat16(bits, c10::BFloat16::from_bits());
+  } else {
+    return static_cast<T>(v);
+  }
+}
+"""
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -59,21 +77,7 @@ static void with_dtype(at::ScalarType t, F&& f) {
     default: TORCH_CHECK(false, "attnres: unsupported dtype ", t);
   }
 }
-
-// `v` in T, rounded to nearest even: for bfloat16 the bits by hand (c10's rounding, without its branch, so
-// that loops of it vectorize).
-template <typename T, typename S>
-static inline T to(S v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<S, float>) {
-    uint32_t b;
-    std::memcpy(&b, &v, sizeof(b));
-    const uint16_t bits = v != v ? uint16_t(0x7FC0) : static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-    return c10::BFloat16(bits, c10::BFloat16::from_bits());
-  } else {
-    return static_cast<T>(v);
-  }
-}
-
+""" + ROUNDING_CPP + r"""
 // One token: softmax over the scores of the n stored rows (row stride d, read as acc_t, times their
 // inverse RMS) and of the partial p; the weights go to w[0..n] (the partial's last).
 template <typename acc_t, typename src_t>
