@@ -22,7 +22,6 @@ where it comes from (how the kernel's cost grows with the tokens of a step and t
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -93,8 +92,8 @@ def measure(args, op, tokens: int, sources: int, dtype: torch.dtype) -> list:
             NAMES[1]: repeated(llama_call(op, tokens, args.hidden_size, dtype, 1), calls),
             NAMES[2]: repeated(llama_call(op, tokens, args.hidden_size, dtype, 2), calls)}
     paired: list[dict[str, float]] = []
-    alternate(runs, args.repeats, warmup=1, paired=paired)
-    us = {name: statistics.median(run[name] for run in paired) / calls * 1e6 for name in NAMES}
+    seconds = alternate(runs, args.repeats, warmup=1, paired=paired)          # medians per timed unit
+    us = {name: seconds[name] / calls * 1e6 for name in NAMES}
     extra_ns = (us[NAMES[0]] - us[NAMES[1]]) / tokens * 1e3
     return [tokens, sources, f"{us[NAMES[0]]:.1f}", f"{us[NAMES[1]]:.1f}", f"{us[NAMES[2]]:.1f}",
             spread(ratios(paired, NAMES[0], NAMES[1])), spread(ratios(paired, NAMES[2], NAMES[1])),
