@@ -344,10 +344,11 @@ def load_average() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-# Variables that change what a table measures, printed with its command: the kernel's setting, and the
-# allocator's (on a CPU, whether glibc returns freed memory to the system changed a 4096-token float32
-# prefill step by 10 % for both models, through the page faults of mapping it afresh).
-SHOWN_ENV = ("ATTNRES_", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
+# Variables that change what a table measures, printed with its command: the kernel's setting, vLLM's
+# AOT compilation (on, vLLM's eager backend hashes its configuration on every step), and the allocator's
+# (on a CPU, whether glibc returns freed memory to the system changed a 4096-token float32 prefill step
+# by 10 % for both models, through the page faults of mapping it afresh).
+SHOWN_ENV = ("ATTNRES_", "VLLM_USE_AOT_COMPILE", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
 
 
 def header(title: str, settings: dict[str, object]) -> str:

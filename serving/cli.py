@@ -22,6 +22,10 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 - with that compilation on a CPU build, `ATTNRES_CPU_KERNEL=compiled` unless the variable is set: a
   graph run without Inductor would do each depth-attention boundary as ~20 separate tensor operations,
   where the C++ op does it in one call (`kernel_setting`);
+- with any compilation on vLLM's `eager` backend (as that one), `VLLM_USE_AOT_COMPILE=0` unless the
+  variable is set: vLLM turns AOT compilation off for that backend, yet with the variable on it hashes
+  its whole configuration on every forward call, more than half of a small model's decoding step on a
+  CPU (`aot_setting`);
 - with pipeline parallelism on the CPU builds in `PIPELINE_WORKER_VERSIONS`, `--worker-cls
   PIPELINE_WORKER` (their CPU worker cannot run eager pipeline parallelism; see `cpu_worker.py`);
 - always `--middleware MIDDLEWARE`: with `--api-key` (or `VLLM_API_KEY`) every route but the health
@@ -36,6 +40,7 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 """
 
 import importlib.metadata
+import json
 import os
 import socket
 import sys
@@ -174,6 +179,39 @@ def kernel_setting(vllm_args: list[str], cpu: bool, env: dict | None = None) -> 
     return "compiled" if cpu and compiled and "ATTNRES_CPU_KERNEL" not in env else None
 
 
+def eager_backend(vllm_args: list[str]) -> bool:
+    """Whether `vllm_args` compile on vLLM's `eager` backend (Dynamo's graph run without Inductor): a
+    `--compilation-config` / `-cc` / `-O` JSON object with `"backend": "eager"`, or `.backend=eager`."""
+    names = ("--compilation-config", "-cc", "-O")
+    backend = option_value(vllm_args, *(name + ".backend" for name in names))
+    for value in option_values(vllm_args, *names):
+        try:
+            config = json.loads(value)
+        except ValueError:
+            continue                                                   # a mode number: `-O 2`
+        if isinstance(config, dict) and "backend" in config:
+            backend = config["backend"]
+    return backend == "eager"
+
+
+def aot_setting(vllm_args: list[str], env: dict | None = None) -> str | None:
+    """`"0"` for `VLLM_USE_AOT_COMPILE` where vLLM compiles on its `eager` backend (as with
+    `DEFAULT_COMPILATION`) and the variable is not set. vLLM 0.32 turns AOT compilation off for that
+    backend but, with the variable on (its default with torch >= 2.10), still hashes its whole
+    configuration and looks for an AOT artifact on every forward call: 4-4.5 ms of an 8 ms decoding
+    step of a small model on 2 CPU cores (docs/performance.md). Off, the compiled graph is called directly."""
+    env = os.environ if env is None else env
+    return "0" if eager_backend(vllm_args) and "VLLM_USE_AOT_COMPILE" not in env else None
+
+
+def server_environment(vllm_args: list[str], cpu: bool, env: dict | None = None) -> dict[str, str]:
+    """The variables `attnres-serve` sets for `vllm vllm_args` (`kernel_setting`, `aot_setting`), each only
+    where the user has not set it."""
+    settings = {"ATTNRES_CPU_KERNEL": kernel_setting(vllm_args, cpu, env),
+                "VLLM_USE_AOT_COMPILE": aot_setting(vllm_args, env)}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
 def exposure_warning(vllm_args: list[str], env: dict | None = None) -> str | None:
     """A warning when `vllm vllm_args` would listen beyond this machine without an API key."""
     env = os.environ if env is None else env
@@ -235,10 +273,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ConversionError(problem)
     except (DefaultModelUnavailable, ConversionError, OSError) as err:   # OSError: MissingShippedFile too
         raise SystemExit(fail(PROG, " ".join(str(err).split()), getattr(err, "exit_status", 1))) from None
-    kernel = kernel_setting(sys.argv[1:], cpu)
-    if kernel:
-        # Read at import by the engine's processes (vLLM's CPU platform starts them by spawn).
-        os.environ["ATTNRES_CPU_KERNEL"] = kernel
+    # Read at import by the engine's processes (vLLM's CPU platform starts them by spawn).
+    os.environ.update(server_environment(sys.argv[1:], cpu))
     warning = exposure_warning(sys.argv[1:])
     if warning:
         print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)

@@ -128,6 +128,24 @@ def test_graphs_without_inductor_get_the_cpu_kernel_op_unless_the_variable_is_se
     assert cli.kernel_setting(["serve", "m", "--enforce-eager"], cpu=True, env={}) is None    # eager: on already
 
 
+def test_the_eager_backend_runs_without_aot_compilation_unless_the_variable_is_set():
+    """vLLM 0.32 skips AOT compilation on its eager backend but, with VLLM_USE_AOT_COMPILE on, hashes its
+    configuration on every forward call; attnres-serve turns the variable off there, and only there."""
+    default = ["serve", "m", "--compilation-config", cli.DEFAULT_COMPILATION]
+    assert cli.aot_setting(default, env={}) == "0"
+    assert cli.aot_setting(default, env={"VLLM_USE_AOT_COMPILE": "1"}) is None                # the user decides
+    assert cli.aot_setting(["serve", "m", "-cc", '{"backend": "eager"}'], env={}) == "0"
+    assert cli.aot_setting(["serve", "m", "-O.backend=eager"], env={}) == "0"
+    assert cli.aot_setting(["serve", "m", "--compilation-config", '{"mode": 3}'], env={}) is None   # Inductor
+    assert cli.aot_setting(["serve", "m", "-O", "3"], env={}) is None
+    assert cli.aot_setting(["serve", "m"], env={}) is None
+    assert cli.aot_setting(["serve", "m", "--enforce-eager"], env={}) is None                 # nothing compiled
+    assert cli.server_environment(default, cpu=True, env={}) == {"ATTNRES_CPU_KERNEL": "compiled",
+                                                                 "VLLM_USE_AOT_COMPILE": "0"}
+    assert cli.server_environment(default, cpu=False, env={"VLLM_USE_AOT_COMPILE": "1"}) == {}
+    assert cli.server_environment(["serve", "m"], cpu=True, env={}) == {}
+
+
 def test_serve_argv_respects_given_options():
     given = ["org/model", "--host=0.0.0.0", "--kv-cache-memory-bytes", "5M", "--shutdown-timeout", "2",
              "--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint", "--worker-extension-cls", "x.Y"]
