@@ -83,6 +83,11 @@ COMPARISONS = {"llama": ("attnres", "llama", "llama-2"),
 LABELS = {"attnres": "AttnRes", "llama": "Llama", "llama-2": "Llama (A/A)",
           "transformers-backend": "Transformers backend", "plugin": "plugin", "plugin-2": "plugin (A/A)"}
 LOG_TAIL = 6000
+# `--norms vllm-c`: vLLM's own C++ RMSNorm kernels as an implementation of its IR norm ops on a CPU,
+# first in every engine's priority list (vLLM 0.32 registers its `vllm_c` ones for GPUs only).
+C_NORMS = "attnres_bench_c"
+NORMS = {"vllm-default": "vLLM's own choice (on a CPU: native torch ops, which only Inductor fuses)",
+         "vllm-c": "vLLM's C++ rms_norm / fused_add_rms_norm kernels for every engine's vLLM RMSNorm"}
 
 
 @dataclass(frozen=True)
@@ -113,11 +118,50 @@ def workloads(args) -> list[Workload]:
     return found
 
 
+def register_c_norms() -> None:
+    """Register vLLM's own C++ RMSNorm kernels (`torch.ops._C.rms_norm` / `fused_add_rms_norm`, in vLLM's CPU
+    build too) as the `C_NORMS` implementation of its IR ops `rms_norm` / `fused_add_rms_norm`, for a CPU.
+    With vLLM's default, a CPU runs them as native torch ops: one call each after Inductor's fusion, about
+    eight separate ones in a graph run without Inductor (`--compile dynamo`), where a Llama's residual add
+    and norm cost more than AttnRes's fused boundary op. Once per process; the engines' `kernel_config`
+    puts it first (`ir_op_priority`)."""
+    import torch
+    from torch import Tensor
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    if C_NORMS in ir.ops.rms_norm.impls:
+        return
+    current_platform.import_kernels()                                    # torch.ops._C
+
+    def plain(x, weight, epsilon, variance_size=None) -> bool:               # what the C++ kernels take
+        return weight is not None and weight.dtype == x.dtype and x.is_contiguous() and variance_size is None
+
+    def plain_add(x, x_residual, weight, epsilon, variance_size=None) -> bool:
+        return plain(x, weight, epsilon, variance_size) and x_residual.is_contiguous()
+
+    @ir.ops.rms_norm.register_impl(C_NORMS, supported=current_platform.is_cpu(), supports_args=plain)
+    def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
+        out = torch.empty_like(x)
+        torch.ops._C.rms_norm(out, x, weight, epsilon)
+        return out
+
+    @ir.ops.fused_add_rms_norm.register_impl(C_NORMS, supported=current_platform.is_cpu(), inplace=True,
+                                             supports_args=plain_add)
+    def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
+                           variance_size: int | None = None) -> tuple[Tensor, Tensor]:
+        torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)   # x_residual <- x + x_residual, x <- norm
+        return x, x_residual
+
+
 def engine_specs(args, paths: dict[str, Path]) -> dict[str, dict]:
     """`{name: {"path", "kwargs"}}` of the subject, the baseline and the control."""
     subject, baseline, control = COMPARISONS[args.compare]
     common = dict(dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_bytes, seed=0, enable_prefix_caching=False,
                   skip_tokenizer_init=True, disable_log_stats=False)
+    if args.norms == "vllm-c":
+        first = [C_NORMS, "vllm_c", "native"]                              # vllm_c: where vLLM has it (GPUs)
+        common["kernel_config"] = {"ir_op_priority": {"rms_norm": first, "fused_add_rms_norm": first}}
     if args.max_num_batched_tokens:
         common["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.compile == "eager":
@@ -197,6 +241,8 @@ def run_engines(plan: dict) -> dict:
     of the engines compared in every repeat; one more prefill per engine for its memory peak."""
     from vllm import LLM, SamplingParams
 
+    if plan["norms"] == "vllm-c":
+        register_c_norms()
     engines, startup, kv = {}, {}, {}
     for name in plan["order"]:
         spec = plan["engines"][name]
@@ -245,6 +291,8 @@ def profile_kv(plan: dict) -> dict:
     """In a fresh process: one engine alone, the KV cache sized by vLLM itself (memory profiling)."""
     from vllm import LLM
 
+    if plan["norms"] == "vllm-c":
+        register_c_norms()
     spec = plan["engines"][plan["engine"]]
     kwargs = {k: v for k, v in spec["kwargs"].items() if k != "kv_cache_memory_bytes"}
     if plan["gpu_memory_utilization"]:
@@ -318,7 +366,7 @@ def measure(args, paths: dict[str, Path], work: list[Workload], log_dir: Path) -
     orders = {"forward": [subject, baseline, control], "reverse": [control, baseline, subject]}
     labels = ["forward", "reverse"] if args.build_order == "both" else [args.build_order]
     per_order = -(-args.repeats // len(labels))
-    base = dict(engines=specs, max_model_len=max(w.length for w in work) + 8,
+    base = dict(engines=specs, norms=args.norms, max_model_len=max(w.length for w in work) + 8,
                 max_num_seqs=max(w.prompts for w in work), vocab=args.vocab_size, timeout=args.timeout)
     runs = [child(dict(base, task="engines", label=label, order=orders[label], repeats=per_order,
                        seed=1_000_000 * (i + 1), workloads=[asdict(w) for w in work]), log_dir)
@@ -383,7 +431,7 @@ def report(args, runs: list[dict], kv: dict, paths: dict[str, Path], work: list[
              else f"vLLM offline, the Transformers backend / the AttnRes plugin on {args.model or 'random AttnRes'}")
     settings = {
         "dtype": args.dtype, "bank dtype": args.bank_dtype or "from the config",
-        "compilation": COMPILE_NAMES[args.compile], "prefix caching": "off",
+        "compilation": COMPILE_NAMES[args.compile], "norms": NORMS[args.norms], "prefix caching": "off",
         "chunked prefill": f"max_num_batched_tokens {runs[0]['max_num_batched_tokens']}",
         "KV cache budget": f"{args.kv_cache_bytes} bytes per engine",
         "engines": f"{LABELS[subject]}, {LABELS[baseline]} and {LABELS[control]} in one process",
@@ -453,6 +501,9 @@ def parse_args(argv):
                         help="AttnResConfig.attn_res_bank_dtype for the AttnRes engines (default: the checkpoint's)")
     parser.add_argument("--compile", choices=list(COMPILE), default="inductor",
                         help="eager: enforce_eager; dynamo: what `make serve` runs; inductor: vLLM's default")
+    parser.add_argument("--norms", choices=list(NORMS), default="vllm-default",
+                        help="vllm-c: every engine's vLLM RMSNorm layers on vLLM's C++ kernels (register_c_norms), "
+                             "so that a Llama's add+norm is one call as AttnRes's boundary is")
     parser.add_argument("--repeats", type=int, default=12, help="pairs in all, split between the build orders")
     parser.add_argument("--build-order", choices=("both", "forward", "reverse"), default="both",
                         help="forward: subject, baseline, control; reverse: the opposite; both: one process "

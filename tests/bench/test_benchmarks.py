@@ -245,13 +245,39 @@ def test_bench_vllm_reports_each_ratio_beside_its_aa_control_over_both_build_ord
                      out, re.M), out
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bench_vllm_c_norms_compute_what_vllms_native_norms_compute(dtype):
+    """`--norms vllm-c` registers vLLM's C++ kernels as its IR norm ops on a CPU: same results as the native
+    ones (to their rounding), the add+norm in place as vLLM's own GPU implementation does it."""
+    import bench_vllm
+    from vllm import ir
+
+    bench_vllm.register_c_norms()
+    bench_vllm.register_c_norms()                                        # once per process, then a no-op
+    norm, add_norm = (op.impls[bench_vllm.C_NORMS] for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm))
+    gen = torch.Generator().manual_seed(0)
+    x, residual, weight = (torch.randn(shape, generator=gen).to(dtype) for shape in ((5, 64), (5, 64), (64,)))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    assert norm.supports_args(x, weight, 1e-6) and not norm.supports_args(x.t(), weight[:5], 1e-6)
+    torch.testing.assert_close(norm.impl_fn(x, weight, 1e-6), ir.ops.rms_norm.impls["native"].impl_fn(x, weight, 1e-6),
+                               **tol)
+    expected = ir.ops.fused_add_rms_norm.impls["native"].impl_fn(x, residual, weight, 1e-6)
+    x_in, residual_in = x.clone(), residual.clone()
+    got = add_norm.impl_fn(x_in, residual_in, weight, 1e-6)
+    assert got[0] is x_in and got[1] is residual_in                      # in place
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)     # the sum, rounded once
+    torch.testing.assert_close(got[0], expected[0], **tol)
+
+
 @pytest.mark.timeout(660)
 def test_bench_vllm_compares_the_transformers_backend_with_the_plugin():
     out = run("bench_vllm.py", *TINY, "--compare", "transformers-backend", "--dtype", "float32", "--compile", "eager",
               "--prefill-tokens", "16", "--decode-batches", "2", "--long-decode-batches", "--decode-context", "4",
               "--new-tokens", "2", "--repeats", "2", "--build-order", "forward", "--no-kv-profile",
-              "--kv-cache-bytes", str(64 << 20))
-    assert_header(out, "prefix caching off", "Transformers backend, plugin and plugin (A/A) in one process")
+              "--kv-cache-bytes", str(64 << 20), "--norms", "vllm-c")
+    assert_header(out, "prefix caching off", "Transformers backend, plugin and plugin (A/A) in one process",
+                  "norms vLLM's C++ rms_norm / fused_add_rms_norm kernels")
     timing, memory = tables(out)
     for row in timing:
         spread(column(row, "Transformers backend / plugin"))
