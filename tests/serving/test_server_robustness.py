@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -284,6 +285,21 @@ def slope(values: list[float]) -> float:
     """Least-squares slope of `values` against their index."""
     n, mean_x, mean_y = len(values), (len(values) - 1) / 2, sum(values) / len(values)
     return sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values)) / sum((i - mean_x) ** 2 for i in range(n))
+
+
+def test_the_engine_runs_with_the_variables_attnres_serve_sets(server):
+    """With `make serve`'s compilation the engine process gets the C++ op in its graphs and vLLM's AOT
+    compilation off (else vLLM hashes its configuration before every forward call): the variables
+    `attnres-serve` sets before vLLM starts its processes, read from the engine's own environment."""
+    children = [pid for pid in group_members(server.proc.pid) if pid != server.proc.pid]
+    environments = []
+    for pid in children:
+        try:
+            environments.append(set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")))
+        except OSError:                                                # gone meanwhile
+            continue
+    wanted = {b"VLLM_USE_AOT_COMPILE=0", b"ATTNRES_CPU_KERNEL=compiled"}
+    assert any(wanted <= env for env in environments), (children, [sorted(wanted & env) for env in environments])
 
 
 @pytest.mark.timeout(600)
