@@ -23,9 +23,10 @@ The rules, each against a way the numbers have misled before:
 - the prompt and generated token counts of every engine are compared in every repeat (a mismatch
   stops the run);
 - versions, machine (CPU model, AMX), load and every setting are printed with the tables;
-- `--compile dynamo` runs as `attnres-serve` does (`serving.cli.server_environment`), for every engine:
-  `ATTNRES_CPU_KERNEL=compiled` (the C++ boundary op inside the graphs) and `VLLM_USE_AOT_COMPILE=0`
-  (without it vLLM hashes its configuration on every forward call), each unless the variable is set.
+- the compiled modes run as `attnres-serve` does (`serving.cli.server_environment`), for every engine:
+  `ATTNRES_CPU_KERNEL=compiled` on a CPU (the C++ boundary op inside the graphs) and, for `--compile
+  dynamo`, `VLLM_USE_AOT_COMPILE=0` (without it vLLM hashes its configuration on every forward call),
+  each unless the variable is set.
 
 Workloads (each list may be given empty): prefill of one `--prefill-tokens` prompt (1 new token,
 chunked in steps of `--max-num-batched-tokens`; timed: the whole request); decode of `--decode-batches`
@@ -76,7 +77,8 @@ COMPILE = {"eager": None, "dynamo": json.loads(DEFAULT_COMPILATION), "inductor":
 COMPILE_NAMES = {"eager": "eager (enforce_eager)",
                  "dynamo": 'Dynamo only ({"mode": 2, "backend": "eager"}, the C++ boundary op in the graphs and '
                            "VLLM_USE_AOT_COMPILE=0 unless set: what `make serve` runs)",
-                 "inductor": "vLLM's default compilation (Inductor)"}
+                 "inductor": "vLLM's default compilation (Inductor; the C++ boundary op in the graphs unless "
+                             "ATTNRES_CPU_KERNEL is set, as `attnres-serve` runs it)"}
 # name: (subject, baseline, control); the control is a second engine of the baseline.
 COMPARISONS = {"llama": ("attnres", "llama", "llama-2"),
                "transformers-backend": ("transformers-backend", "plugin", "plugin-2")}
@@ -542,7 +544,8 @@ def main(argv=None) -> None:
         result = run_engines(plan) if plan["task"] == "engines" else profile_kv(plan)
         Path(args.child[1]).write_text(json.dumps(result))
         return
-    compilation = [] if COMPILE[args.compile] is None else ["--compilation-config", json.dumps(COMPILE[args.compile])]
+    compilation = (["--enforce-eager"] if COMPILE[args.compile] is None
+                   else ["--compilation-config", json.dumps(COMPILE[args.compile])])
     os.environ.update(server_environment(compilation, cpu=installed_vllm()[1]))   # attnres-serve's own rules
     with tempfile.TemporaryDirectory(prefix="attnres-bench-vllm-") as tmp:
         args.max_positions = max([*args.prefill_tokens, args.decode_context, args.long_context]) + args.new_tokens + 8

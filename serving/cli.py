@@ -19,9 +19,10 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 - for the default model on CPU builds, `--compilation-config DEFAULT_COMPILATION` unless a compilation
   option or `--enforce-eager` is given: Dynamo traces the model once and its graph runs without
   Inductor, whose C++ compilation of a 30-layer model takes many minutes on 2 cores (see the README);
-- with that compilation on a CPU build, `ATTNRES_CPU_KERNEL=compiled` unless the variable is set: a
-  graph run without Inductor would do each depth-attention boundary as ~20 separate tensor operations,
-  where the C++ op does it in one call (`kernel_setting`);
+- with any compilation on a CPU build, `ATTNRES_CPU_KERNEL=compiled` unless the variable is set: each
+  depth-attention boundary is one call of the C++ op in the graphs, where a graph run without Inductor
+  would do ~20 separate tensor operations and Inductor's own code for it measured slower
+  (`kernel_setting`);
 - with any compilation on vLLM's `eager` backend (as that one), `VLLM_USE_AOT_COMPILE=0` unless the
   variable is set: vLLM turns AOT compilation off for that backend, yet with the variable on it hashes
   its whole configuration on every forward call, more than half of a small model's decoding step on a
@@ -171,12 +172,13 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
 
 def kernel_setting(vllm_args: list[str], cpu: bool, env: dict | None = None) -> str | None:
     """`"compiled"` where the server should run the C++ depth-attention op inside its graphs: a CPU build
-    compiling with `DEFAULT_COMPILATION` (Dynamo, no Inductor), `ATTNRES_CPU_KERNEL` not set. There it
-    measured AttnRes/Llama 1.04 prefill and 0.97-1.00 decode against 1.30 and 1.21 for the graph's own
-    tensor operations (docs/performance.md); with Inductor, Inductor's fused code is faster."""
+    that compiles (no `--enforce-eager`, where the op runs anyway), `ATTNRES_CPU_KERNEL` not set. With
+    `DEFAULT_COMPILATION` (Dynamo, no Inductor) it measured AttnRes/Llama 1.04 prefill and 0.97-1.00
+    decode against 1.30 and 1.21 for the graph's own tensor operations; with Inductor 1.04-1.06 prefill
+    and 1.02-1.04 decode against 1.09-1.11 and 1.04-1.11 for Inductor's code (docs/performance.md)."""
     env = os.environ if env is None else env
-    compiled = option_value(vllm_args, "--compilation-config") == DEFAULT_COMPILATION
-    return "compiled" if cpu and compiled and "ATTNRES_CPU_KERNEL" not in env else None
+    compiles = not has_option(vllm_args, "--enforce-eager")
+    return "compiled" if cpu and compiles and "ATTNRES_CPU_KERNEL" not in env else None
 
 
 def eager_backend(vllm_args: list[str]) -> bool:

@@ -119,12 +119,12 @@ def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
     assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1", *GRACE, *ALWAYS]
 
 
-def test_graphs_without_inductor_get_the_cpu_kernel_op_unless_the_variable_is_set():
+def test_compiled_graphs_on_a_cpu_get_the_cpu_kernel_op_unless_the_variable_is_set():
     default = ["serve", "m", "--compilation-config", cli.DEFAULT_COMPILATION]
     assert cli.kernel_setting(default, cpu=True, env={}) == "compiled"
     assert cli.kernel_setting(default, cpu=True, env={"ATTNRES_CPU_KERNEL": "0"}) is None     # the user decides
     assert cli.kernel_setting(default, cpu=False, env={}) is None                             # GPUs: Triton
-    assert cli.kernel_setting(["serve", "m"], cpu=True, env={}) is None                       # Inductor's code
+    assert cli.kernel_setting(["serve", "m"], cpu=True, env={}) == "compiled"                 # with Inductor too
     assert cli.kernel_setting(["serve", "m", "--enforce-eager"], cpu=True, env={}) is None    # eager: on already
 
 
@@ -143,7 +143,8 @@ def test_the_eager_backend_runs_without_aot_compilation_unless_the_variable_is_s
     assert cli.server_environment(default, cpu=True, env={}) == {"ATTNRES_CPU_KERNEL": "compiled",
                                                                  "VLLM_USE_AOT_COMPILE": "0"}
     assert cli.server_environment(default, cpu=False, env={"VLLM_USE_AOT_COMPILE": "1"}) == {}
-    assert cli.server_environment(["serve", "m"], cpu=True, env={}) == {}
+    assert cli.server_environment(["serve", "m"], cpu=True, env={}) == {"ATTNRES_CPU_KERNEL": "compiled"}
+    assert cli.server_environment(["serve", "m", "--enforce-eager"], cpu=True, env={}) == {}
 
 
 def test_serve_argv_respects_given_options():
