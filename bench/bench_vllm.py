@@ -243,8 +243,6 @@ def run_engines(plan: dict) -> dict:
     of the engines compared in every repeat; one more prefill per engine for its memory peak."""
     from vllm import LLM, SamplingParams
 
-    if plan["norms"] == "vllm-c":
-        register_c_norms()
     engines, startup, kv = {}, {}, {}
     for name in plan["order"]:
         spec = plan["engines"][name]
@@ -293,8 +291,6 @@ def profile_kv(plan: dict) -> dict:
     """In a fresh process: one engine alone, the KV cache sized by vLLM itself (memory profiling)."""
     from vllm import LLM
 
-    if plan["norms"] == "vllm-c":
-        register_c_norms()
     spec = plan["engines"][plan["engine"]]
     kwargs = {k: v for k, v in spec["kwargs"].items() if k != "kv_cache_memory_bytes"}
     if plan["gpu_memory_utilization"]:
@@ -541,6 +537,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
         plan = json.loads(Path(args.child[0]).read_text())
+        if plan["norms"] == "vllm-c":                                   # in the process that builds the engines
+            register_c_norms()
         result = run_engines(plan) if plan["task"] == "engines" else profile_kv(plan)
         Path(args.child[1]).write_text(json.dumps(result))
         return
