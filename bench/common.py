@@ -233,10 +233,11 @@ def balanced(repeats: int, runners: int) -> bool:
     return repeats % (2 * runners) == 0
 
 
-def alternate(runs: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
+def alternate(runs: dict[str, Callable[[], float | None]], repeats: int, warmup: int = 1,
               paired: list | None = None) -> dict[str, float]:
     """Time each callable `repeats` times in the order `rotation` gives; returns median seconds. If
-    `paired` is a list, each repeat's `{name: seconds}` is appended to it (for paired ratios)."""
+    `paired` is a list, each repeat's `{name: seconds}` is appended to it (for paired ratios). A callable
+    that returns a number reports its own seconds instead (one that times its work without its set-up)."""
     for _ in range(warmup):
         for fn in runs.values():
             fn()
@@ -245,9 +246,9 @@ def alternate(runs: dict[str, Callable[[], None]], repeats: int, warmup: int = 1
         for name in rotation(list(runs), repeat):
             synchronize()
             start = time.perf_counter()
-            runs[name]()
+            own = runs[name]()
             synchronize()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(time.perf_counter() - start if own is None else own)
         if paired is not None:
             paired.append({name: t[-1] for name, t in times.items()})
     return {name: statistics.median(t) for name, t in times.items()}

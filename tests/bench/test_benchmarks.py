@@ -111,6 +111,15 @@ def test_rotate_runs_shares_fresh_inputs_warms_up_at_size_and_refuses_unequal_wo
         common.rotate_runs({"a": runner("a"), "b": runner("b", extra=1)}, lambda r: [r], 2, count=lambda n: n)
 
 
+def test_alternate_takes_a_runners_own_seconds_where_it_reports_them():
+    """A runner that times itself (without its set-up, as `bench_boundary.py --cold` does) is reported by
+    its own figure; one that returns nothing is timed by `alternate`."""
+    paired: list = []
+    medians = common.alternate({"own": lambda: 7.0, "timed": lambda: None}, repeats=4, paired=paired)
+    assert medians["own"] == 7.0 and 0 <= medians["timed"] < 1.0
+    assert len(paired) == 4 and all(run["own"] == 7.0 for run in paired)
+
+
 def test_spread_is_the_median_and_range_of_the_pairs():
     assert common.spread([1.0, 1.2, 0.9]) == "**1.000** (0.900-1.200)"
     assert common.ratios([{"x": 2.0, "y": 1.0}, {"x": 3.0, "y": 3.0}], "x", "y") == [2.0, 1.0]
@@ -315,14 +324,16 @@ def test_bench_depth_checks_every_path_against_mix_site_and_reports_each_lever()
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("baseline", ["fused-llama", "vllm"])
-def test_bench_boundary_times_the_kernel_against_llamas_add_norm_with_an_aa_control(baseline):
+@pytest.mark.parametrize("baseline, via", [("fused-llama", "extension"), ("vllm", "op")])
+def test_bench_boundary_times_the_kernel_against_llamas_add_norm_with_an_aa_control(baseline, via):
     """One row per (tokens, stored sources), each with AttnRes's, Llama's and the control's microseconds,
-    the ratio and the A/A ratio with their spreads; both Llama sides (our kernel, vLLM's op) run."""
+    the ratio and the A/A ratio with their spreads; both Llama sides (our kernel, vLLM's op) run, and
+    AttnRes's kernel both through its extension and as the dispatcher op a compiled graph calls."""
     tunables = "glibc.malloc.trim_threshold=1073741824"                      # the allocator's settings are shown
     out = run("bench_boundary.py", "--hidden-size", "64", "--tokens", "1", "33", "--sources", "0", "3",
-              "--repeats", "2", "--calls", "2", "--baseline", baseline, timeout=240, env={"GLIBC_TUNABLES": tunables})
-    assert_header(out, "hidden 64", f"Llama side {baseline}", "repeats 2")
+              "--repeats", "2", "--calls", "2", "--baseline", baseline, "--via", via, timeout=240,
+              env={"GLIBC_TUNABLES": tunables})
+    assert_header(out, "hidden 64", f"Llama side {baseline}", f"AttnRes called via {via}", "repeats 2")
     assert f"GLIBC_TUNABLES={tunables}" in next(line for line in out.splitlines() if line.startswith("command: "))
     [rows] = tables(out)
     assert [(r["tokens"], r["stored sources"]) for r in rows] == [("1", "0"), ("1", "3"), ("33", "0"), ("33", "3")]
@@ -330,6 +341,22 @@ def test_bench_boundary_times_the_kernel_against_llamas_add_norm_with_an_aa_cont
         spread(row["AttnRes / Llama (median, min-max)"]), spread(row["A/A (median, min-max)"])
         assert all(float(row[c]) > 0 for c in ("AttnRes us", "Llama us", "Llama (A/A) us")), row
         assert row["pairs"] == "2", row
+
+
+@pytest.mark.timeout(300)
+def test_bench_boundary_cold_flushes_before_each_call_and_prints_the_read_bandwidth():
+    """`--cold` says what it flushed, prints the memory read bandwidth a byte floor divides by, and gives the
+    same rows; a flushed call is timed alone, so a 1-token boundary still measures microseconds, not the
+    milliseconds of the flush before it."""
+    out = run("bench_boundary.py", "--hidden-size", "64", "--tokens", "1", "33", "--sources", "0", "3",
+              "--repeats", "2", "--calls", "2", "--cold", "--flush-mib", "64", timeout=240)
+    assert_header(out, "caches flushed before every call (64 MiB written)")
+    bandwidth = float(re.search(r"^memory read bandwidth: (\d+\.\d) GB/s", out, re.M).group(1))
+    assert bandwidth > 0, out
+    [rows] = tables(out)
+    assert [(r["tokens"], r["stored sources"]) for r in rows] == [("1", "0"), ("1", "3"), ("33", "0"), ("33", "3")]
+    for row in rows:
+        assert all(0 < float(row[c]) < 1000 for c in ("AttnRes us", "Llama us", "Llama (A/A) us")), row
 
 
 def test_bench_boundary_rejects_a_bad_size_naming_it():
