@@ -77,8 +77,8 @@ def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str
 
     if via == "op":
         op = torch.ops.attnres.site_boundary.default
-        args = (bank.storage, bank.inv_storage, sources, partial, output, query, gain, EPS, False, norm, 1e-5, dtype,
-                False, False)                           # `fused_site_boundary`'s arguments in a compiled graph
+        args = (bank.storage, bank.inv_storage, sources, partial, output, query, gain, EPS, norm, 1e-5)
+        # `fused_site_boundary`'s call in a compiled graph (a site that does not close a block)
 
         def call():
             op(*args)

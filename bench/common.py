@@ -233,11 +233,12 @@ def balanced(repeats: int, runners: int) -> bool:
     return repeats % (2 * runners) == 0
 
 
-def alternate(runs: dict[str, Callable[[], float | None]], repeats: int, warmup: int = 1,
+def alternate(runs: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
               paired: list | None = None) -> dict[str, float]:
     """Time each callable `repeats` times in the order `rotation` gives; returns median seconds. If
     `paired` is a list, each repeat's `{name: seconds}` is appended to it (for paired ratios). A callable
-    that returns a number reports its own seconds instead (one that times its work without its set-up)."""
+    that returns a float reports its own seconds instead (one that times its work without its set-up);
+    any other result is ignored."""
     for _ in range(warmup):
         for fn in runs.values():
             fn()
@@ -248,7 +249,7 @@ def alternate(runs: dict[str, Callable[[], float | None]], repeats: int, warmup:
             start = time.perf_counter()
             own = runs[name]()
             synchronize()
-            times[name].append(time.perf_counter() - start if own is None else own)
+            times[name].append(own if isinstance(own, float) else time.perf_counter() - start)
         if paired is not None:
             paired.append({name: t[-1] for name, t in times.items()})
     return {name: statistics.median(t) for name, t in times.items()}

@@ -19,9 +19,10 @@ by `ATTNRES_CPU_KERNEL=0` or `enable_cpu_kernel(False)`.
 
 Inside `torch.compile` the sites are left to Inductor's generated code unless asked for with
 `enable_cpu_kernel(compiled=True)` / `ATTNRES_CPU_KERNEL=compiled`: then they run as the custom ops
-`attnres::mix_site` / `attnres::site_boundary` (with fake implementations for tracing). Measured,
-the ops are slower there (they stop fusion, and compilation already removed the Python the kernel
-saves), so compiled graphs do not use them by default (docs/performance.md).
+`attnres::mix_site` / `attnres::site_boundary` (with fake implementations for tracing). In
+transformers' compiled decoding the ops measured no faster than Inductor's code, so graphs do not use
+them by default; `attnres-serve` turns them on for vLLM's graphs, where they measured faster
+(docs/performance.md).
 """
 
 import contextlib
@@ -315,28 +316,32 @@ _Pragma("omp simd")
   return {p_out, mixed, normed, weights};
 }
 
-// The ops `attnres::site_boundary` / `attnres::site_boundary_store` (schemas defined from Python): what is
-// not produced is an empty tensor, since an op returns tensors only.
-using Results = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-static Results boundary_op(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
-                           const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
-                           const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
-                           bool closes_block, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
-                           at::ScalarType dtype, bool keep_mixed, bool keep_weights) {
-  at::Tensor s = storage, i = inv_storage;  // shares their storage: the store writes into the caller's bank
-  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, closes_block, norm_weight, norm_eps, dtype,
-                         keep_mixed, keep_weights);
-  for (auto& t : r) if (!t.defined()) t = at::empty({0}, query.options());
-  return {r[0], r[1], r[2], r[3]};
+// The ops `attnres::site_boundary` / `attnres::site_boundary_store` (schemas defined from Python), as compiled
+// graphs call them, with few scalars (a boxed call converts each Python scalar, ~0.15 us apiece): whether the
+// block closes is the op's name, the mix is in the query's dtype, and only what the models read is returned
+// (a compiled call that keeps the weights or the mix runs the torch reference). The first returns {new
+// partial, or an empty tensor where none is produced; the normed mix, or the mix without a norm}; the
+// second stores the block in the bank and returns the normed mix alone.
+static at::Tensor result(std::vector<at::Tensor>& r, bool has_norm) { return has_norm ? r[2] : r[1]; }
+
+static std::tuple<at::Tensor, at::Tensor> boundary_op(const at::Tensor& storage, const at::Tensor& inv_storage,
+                                                      int64_t n, const c10::optional<at::Tensor>& partial,
+                                                      const c10::optional<at::Tensor>& output, const at::Tensor& query,
+                                                      const c10::optional<at::Tensor>& gain, double eps,
+                                                      const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
+  at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
+  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
+                         query.scalar_type(), false, false);
+  return {r[0].defined() ? r[0] : at::empty({0}, query.options()), result(r, norm_weight.has_value())};
 }
 
-static Results boundary_store_op(at::Tensor& storage, at::Tensor& inv_storage, int64_t n,
-                                 const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
-                                 const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
-                                 bool closes_block, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
-                                 at::ScalarType dtype, bool keep_mixed, bool keep_weights) {
-  return boundary_op(storage, inv_storage, n, partial, output, query, gain, eps, closes_block, norm_weight, norm_eps,
-                     dtype, keep_mixed, keep_weights);
+static at::Tensor boundary_store_op(at::Tensor& storage, at::Tensor& inv_storage, int64_t n,
+                                    const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
+                                    const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
+                                    const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
+  auto r = site_boundary(storage, inv_storage, n, partial, output, query, gain, eps, true, norm_weight, norm_eps,
+                         query.scalar_type(), false, false);
+  return result(r, norm_weight.has_value());
 }
 
 // Registers the two ops' CPU kernels with the dispatcher (once per process): a compiled graph then calls
@@ -522,22 +527,22 @@ if not hasattr(torch.ops.attnres, "mix_site"):      # once per process (the pack
     torch.library.register_fake("attnres::mix_site", _mix_site_fake)
 
 _SIGNATURE = ("({storage}, {inv_storage}, int num_stored, Tensor? partial, Tensor? output, Tensor query, "
-              "Tensor? gain, float eps, bool closes_block, Tensor? norm_weight, float norm_eps, ScalarType dtype, "
-              "bool keep_mixed, bool keep_weights) -> (Tensor, Tensor, Tensor, Tensor)")
-Results = tuple[Tensor, Tensor, Tensor, Tensor]      # (new partial, mix, normed, weights), [0] where not produced
+              "Tensor? gain, float eps, Tensor? norm_weight, float norm_eps) -> {returns}")
 
 
 def _boundary_fake(storage: Tensor, inv_storage: Tensor, num_stored: int, partial: Tensor | None,
-                   output: Tensor | None, query: Tensor, gain: Tensor | None, eps: float, closes_block: bool,
-                   norm_weight: Tensor | None, norm_eps: float, dtype: torch.dtype, keep_mixed: bool,
-                   keep_weights: bool) -> Results:
+                   output: Tensor | None, query: Tensor, gain: Tensor | None, eps: float,
+                   norm_weight: Tensor | None, norm_eps: float) -> tuple[Tensor, Tensor]:
+    """`attnres::site_boundary`'s results, shapes and dtypes only: (new partial or `[0]`, the normed mix)."""
     ref = partial if output is None else output
-    acc_dtype, shape = inv_storage.dtype, ref.shape
-    norm_dtype = dtype if norm_weight is None else torch.promote_types(norm_weight.dtype, dtype)
-    return (ref.new_empty(shape if output is not None and not closes_block else (0,), dtype=acc_dtype),
-            ref.new_empty(shape if keep_mixed or norm_weight is None else (0,), dtype=dtype),
-            ref.new_empty(shape if norm_weight is not None else (0,), dtype=norm_dtype),
-            ref.new_empty((*shape[:-1], num_stored + 1) if keep_weights else (0,), dtype=acc_dtype))
+    dtype = query.dtype if norm_weight is None else torch.promote_types(norm_weight.dtype, query.dtype)
+    return (ref.new_empty(ref.shape if output is not None else (0,), dtype=inv_storage.dtype),
+            ref.new_empty(ref.shape, dtype=dtype))
+
+
+def _boundary_store_fake(*args) -> Tensor:
+    """`attnres::site_boundary_store`'s result: the normed mix (the block goes into the bank)."""
+    return _boundary_fake(*args)[1]
 
 
 def _boundary_first_call(name: str):
@@ -556,10 +561,12 @@ def _boundary_first_call(name: str):
 # any backend (CompositeExplicitAutograd, below the CPU kernel in precedence) loads it.
 if not hasattr(torch.ops.attnres, "site_boundary"):
     _LIBRARY = torch.library.Library("attnres", "FRAGMENT")  # a registration lives as long as its Library
-    for _name, _mutable in (("site_boundary", ""), ("site_boundary_store", "(a!)")):
+    for _name, _mutable, _returns, _fake in (("site_boundary", "", "(Tensor, Tensor)", _boundary_fake),
+                                             ("site_boundary_store", "(a!)", "Tensor", _boundary_store_fake)):
         _LIBRARY.define(_name + _SIGNATURE.format(storage=f"Tensor{_mutable} storage",
-                                                  inv_storage=f"Tensor{_mutable and '(b!)'} inv_storage"))
-        torch.library.register_fake(f"attnres::{_name}", _boundary_fake)
+                                                  inv_storage=f"Tensor{_mutable and '(b!)'} inv_storage",
+                                                  returns=_returns))
+        torch.library.register_fake(f"attnres::{_name}", _fake)
         _LIBRARY.impl(_name, _boundary_first_call(_name), "CompositeExplicitAutograd")
 
 
@@ -599,23 +606,28 @@ def fused_site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor 
     weight), `query` is the raw pseudo-query, folded in C++. Forward only: call it where
     `cpu_kernel_applies`."""
     n = bank.num_stored
-    if closes_block and n >= bank.storage.shape[-2]:   # no room left: the reference grows the bank
+    no_room = closes_block and n >= bank.storage.shape[-2]              # the reference grows the bank
+    # The ops return only what the models read, in the query's dtype: other compiled calls take the reference.
+    not_the_models = torch.compiler.is_compiling() and (keep_weights or keep_mixed or dtype != query.dtype)
+    if no_room or not_the_models:
         query = query if gain is None else fold_queries(query, gain[None])[0]
         return site_boundary(bank, partial, output, query, eps, closes_block, norm_weight, norm_eps, dtype,
                              keep_weights, keep_mixed)
     if output is None and partial.dtype not in (torch.float32, torch.float64):
         partial, output = None, partial                # the embedding: read (as the output) in float32
-    args = (bank.storage, bank.inv_storage, n, partial, output, query, gain, eps, closes_block, norm_weight,
-            norm_eps, dtype, keep_mixed, keep_weights)
     if torch.compiler.is_compiling():
-        op = torch.ops.attnres.site_boundary_store if closes_block else torch.ops.attnres.site_boundary
-        new_partial, mixed, normed, weights = op(*args)
-        new_partial = new_partial if output is not None and not closes_block else None
-        mixed = mixed if keep_mixed or norm_weight is None else None
-        normed, weights = (None if norm_weight is None else normed), (weights if keep_weights else None)
+        args = (bank.storage, bank.inv_storage, n, partial, output, query, gain, eps, norm_weight, norm_eps)
+        if closes_block:
+            new_partial, result = None, torch.ops.attnres.site_boundary_store(*args)
+        else:
+            new_partial, result = torch.ops.attnres.site_boundary(*args)
+            new_partial = new_partial if output is not None else None
+        mixed, normed, weights = (result, None, None) if norm_weight is None else (None, result, None)
     else:
         # Eager calls the extension directly (see `fused_mix_site`); what it does not produce is None.
-        new_partial, mixed, normed, weights = (_module or _build()).site_boundary(*args)
+        new_partial, mixed, normed, weights = (_module or _build()).site_boundary(
+            bank.storage, bank.inv_storage, n, partial, output, query, gain, eps, closes_block, norm_weight, norm_eps,
+            dtype, keep_mixed, keep_weights)
     if closes_block:
         return SiteBoundary(DepthBank(bank.storage, bank.inv_storage, n + 1), None, mixed, normed, weights)
     return SiteBoundary(bank, partial if new_partial is None else new_partial, mixed, normed, weights)

@@ -115,9 +115,10 @@ def test_alternate_takes_a_runners_own_seconds_where_it_reports_them():
     """A runner that times itself (without its set-up, as `bench_boundary.py --cold` does) is reported by
     its own figure; one that returns nothing is timed by `alternate`."""
     paired: list = []
-    medians = common.alternate({"own": lambda: 7.0, "timed": lambda: None}, repeats=4, paired=paired)
-    assert medians["own"] == 7.0 and 0 <= medians["timed"] < 1.0
-    assert len(paired) == 4 and all(run["own"] == 7.0 for run in paired)
+    runs = {"own": lambda: 7.0, "timed": lambda: None, "returns a tensor": lambda: torch.ones(3)}
+    medians = common.alternate(runs, repeats=6, paired=paired)
+    assert medians["own"] == 7.0 and 0 <= medians["timed"] < 1.0 and 0 <= medians["returns a tensor"] < 1.0
+    assert len(paired) == 6 and all(run["own"] == 7.0 for run in paired)
 
 
 def test_spread_is_the_median_and_range_of_the_pairs():

@@ -376,6 +376,41 @@ def test_compiled_graphs_write_the_bank_in_place_and_never_copy_it(in_graphs):
         assert storage[:, 1].abs().sum() > 0                                         # the input bank, written
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("closes", [False, True])
+def test_compiled_boundaries_that_keep_weights_or_the_mix_run_the_reference_in_the_graph(closes):
+    """The ops return only what the models read (the new partial, the normed mix). A compiled call that also
+    keeps the depth weights and the mix, with the kernel enabled for graphs, runs the torch reference inside
+    the graph instead (no `attnres::` op), with the eager kernel's values."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(9)
+    bank = empty_bank(torch.zeros(T, D), 4)
+    for _ in range(2):
+        bank = push_source(bank, torch.randn(T, D, generator=gen), EPS)
+    partial, output = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
+    proj, gain, norm = torch.randn(1, D, generator=gen), 1 + 0.1 * torch.randn(D, generator=gen), torch.rand(D)
+
+    def boundary(storage, inv_storage):
+        b = ops.site_boundary(DepthBank(storage, inv_storage, 2), partial, output, proj, gain, EPS, closes, norm,
+                              NORM_EPS, keep_weights=True, keep_mixed=True)
+        return b.normed, b.mixed, b.weights, b.bank.storage[:, : b.bank.num_stored]
+
+    with torch.no_grad():
+        eager = boundary(bank.storage.clone(), bank.inv_storage.clone())
+        torch._dynamo.reset()
+        cpu.enable_cpu_kernel(compiled=True)
+        try:
+            compiled, (code,) = run_and_get_code(torch.compile(boundary, fullgraph=True), bank.storage.clone(),
+                                                 bank.inv_storage.clone())
+        finally:
+            cpu.enable_cpu_kernel()
+    assert "attnres.site_boundary" not in code, code
+    assert [t.shape for t in eager] == [(T, D), (T, D), (T, 3), (T, 3 if closes else 2, D)]
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_the_default_build_that_fails_falls_back_to_torch_in_one_line(monkeypatch, caplog):
     import torch.utils.cpp_extension as cpp_extension
 
