@@ -113,7 +113,8 @@ def test_rotate_runs_shares_fresh_inputs_warms_up_at_size_and_refuses_unequal_wo
 
 def test_alternate_takes_a_runners_own_seconds_where_it_reports_them():
     """A runner that times itself (without its set-up, as `bench_boundary.py --cold` does) is reported by
-    its own figure; one that returns nothing is timed by `alternate`."""
+    its own figure; one that returns nothing, or something other than a float (a runner's output), is timed
+    by `alternate`."""
     paired: list = []
     runs = {"own": lambda: 7.0, "timed": lambda: None, "returns a tensor": lambda: torch.ones(3)}
     medians = common.alternate(runs, repeats=6, paired=paired)
