@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from modeling_attnres.depth_attention_cpu import ROUNDING_CPP, compiler_flags
+from modeling_attnres.depth_attention_cpu import compiler_flags
+from modeling_attnres.depth_attention_cpu_source import LANES_CPP, ROUNDING_CPP
 
 AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
@@ -36,7 +37,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <type_traits>
 
-""" + ROUNDING_CPP + r"""
+""" + ROUNDING_CPP + LANES_CPP + r"""
 // `to<T>` is AttnRes's rounding (ROUNDING_CPP: c10's conversion has a branch that stops these loops from
 // vectorizing; a bfloat16 call took 14x as long). Separate loops for the rounded add, the sum of squares
 // and the scaling: GCC vectorizes each alone.
@@ -48,10 +49,16 @@ static void add_norm_rows(T* x, T* r, const T* w, int64_t N, int64_t d, float ep
       T* rr = r + t * d;
 _Pragma("omp simd")
       for (int64_t j = 0; j < d; ++j) rr[j] = to<T>(static_cast<float>(rr[j]) + static_cast<float>(xr[j]));  // in T
-      float ss = 0.f;
-_Pragma("omp simd reduction(+:ss)")
-      for (int64_t j = 0; j < d; ++j) ss += static_cast<float>(rr[j]) * static_cast<float>(rr[j]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+      float ss_[kLanes] = {};  // the sum of squares in kLanes partial sums, as AttnRes's kernel sums
+      int64_t j = 0;
+      for (; j + kLanes <= d; j += kLanes) {
+_Pragma("omp simd")
+        for (int64_t k = 0; k < kLanes; ++k) ss_[k] += static_cast<float>(rr[j + k]) * static_cast<float>(rr[j + k]);
+      }
+      const int64_t tail = d - j;
+_Pragma("omp simd")
+      for (int64_t k = 0; k < tail; ++k) ss_[k] += static_cast<float>(rr[j + k]) * static_cast<float>(rr[j + k]);
+      const float inv = 1.f / std::sqrt(lanes_total(ss_) / static_cast<float>(d) + eps);
 _Pragma("omp simd")
       for (int64_t j = 0; j < d; ++j)
         xr[j] = to<T>(static_cast<float>(w[j]) * static_cast<float>(to<T>(static_cast<float>(rr[j]) * inv)));

@@ -54,7 +54,8 @@ from .depth_attention_ops import site_bank, site_boundary
 # The files `save_pretrained` ships next to the weights (transformers' `custom_object_save` copies this
 # module and its relative imports); `from_pretrained(..., trust_remote_code=True)` runs them.
 REMOTE_CODE_FILES = ("configuration_attnres.py", "depth_attention.py", "depth_attention_cpu.py",
-                     "depth_attention_ops.py", "depth_attention_triton.py", "modeling_attnres.py")
+                     "depth_attention_cpu_source.py", "depth_attention_ops.py", "depth_attention_triton.py",
+                     "modeling_attnres.py")
 # The seed names of the attention site, as `from_pretrained(key_mapping=...)` patterns. Applied on load
 # only: saving always writes the spec's names.
 SEED_KEY_ALIASES = {rf"\.{seed}\.": f".{ours}." for seed, ours in SEED_SITE_ALIASES.items()}

@@ -4,7 +4,7 @@ The mathematics is `depth_attention.py` (torch only, the reference). Other backe
 with the same arguments, held to the same float64 oracle in the tests:
 
 - `depth_attention_cpu.py`: a fused C++ kernel for eager CPU inference (on by default where it
-  can be built, see there).
+  can be built, see there; its C++ source is `depth_attention_cpu_source.py`).
 - `depth_attention_triton.py`: Triton kernels for CUDA inference (whenever Triton is installed).
 
 The transformers model and the vLLM model both call these functions with their own modules'
