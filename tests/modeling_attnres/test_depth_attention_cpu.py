@@ -41,7 +41,7 @@ def case(n_stored, tokens, d, dtype=torch.float64, seed=0, room=0, bank_dtype=No
     return bank, sources[-1], query, (stored, w, gain)
 
 
-# d = 300: not a multiple of the kernel's 256-wide chunk; 40 tokens: split across threads.
+# d = 300: not a multiple of the kernel's 64-lane reductions; 40 tokens: split across threads (and prefetched).
 @pytest.mark.parametrize("tokens,d", [((1,), 16), ((2, 3), 16), ((40,), 16), ((2, 1), 300)])
 @pytest.mark.parametrize("n_stored", [0, 1, 3, 4, 5, 8, 33])
 def test_fused_mix_matches_oracle_in_float64(n_stored, tokens, d):
