@@ -50,14 +50,7 @@ static void add_norm_rows(T* x, T* r, const T* w, int64_t N, int64_t d, float ep
 _Pragma("omp simd")
       for (int64_t j = 0; j < d; ++j) rr[j] = to<T>(static_cast<float>(rr[j]) + static_cast<float>(xr[j]));  // in T
       float ss_[kLanes] = {};  // the sum of squares in kLanes partial sums, as AttnRes's kernel sums
-      int64_t j = 0;
-      for (; j + kLanes <= d; j += kLanes) {
-_Pragma("omp simd")
-        for (int64_t k = 0; k < kLanes; ++k) ss_[k] += static_cast<float>(rr[j + k]) * static_cast<float>(rr[j + k]);
-      }
-      const int64_t tail = d - j;
-_Pragma("omp simd")
-      for (int64_t k = 0; k < tail; ++k) ss_[k] += static_cast<float>(rr[j + k]) * static_cast<float>(rr[j + k]);
+      over_lanes(d, [&](int64_t j, int64_t k) { ss_[k] += static_cast<float>(rr[j]) * static_cast<float>(rr[j]); });
       const float inv = 1.f / std::sqrt(lanes_total(ss_) / static_cast<float>(d) + eps);
 _Pragma("omp simd")
       for (int64_t j = 0; j < d; ++j)

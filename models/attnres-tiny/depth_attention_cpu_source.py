@@ -39,6 +39,20 @@ static inline T lanes_total(const T* a) {
   for (int64_t k = 0; k < kLanes; ++k) s += a[k];
   return s;
 }
+
+// f(j, k) for every element j < d of a row, k being j's lane (its partial sum): kLanes-wide vectorised
+// chunks, then the tail.
+template <typename F>
+static inline void over_lanes(int64_t d, F&& f) {
+  int64_t j = 0;
+  for (; j + kLanes <= d; j += kLanes) {
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) f(j + k, k);
+  }
+  const int64_t tail = d - j;
+#pragma omp simd
+  for (int64_t k = 0; k < tail; ++k) f(j + k, k);
+}
 """
 
 KERNEL_SOURCE = r"""
@@ -95,20 +109,12 @@ template <typename acc_t, typename T>
 static void partial_moments(const acc_t* base, const T* o, const acc_t* q, int64_t d, acc_t* dst, acc_t& sp,
                             acc_t& ss) {
   acc_t sp_[kLanes] = {}, ss_[kLanes] = {};
-  auto lane = [&](int64_t j, int64_t k) {
+  over_lanes(d, [&](int64_t j, int64_t k) {
     const acc_t v = o == nullptr ? base[j] : (base ? base[j] : acc_t(0)) + static_cast<acc_t>(o[j]);
     if (o != nullptr) dst[j] = v;
     sp_[k] += v * q[j];
     ss_[k] += v * v;
-  };
-  int64_t j = 0;
-  for (; j + kLanes <= d; j += kLanes) {
-#pragma omp simd
-    for (int64_t k = 0; k < kLanes; ++k) lane(j + k, k);
-  }
-  const int64_t tail = d - j;
-#pragma omp simd
-  for (int64_t k = 0; k < tail; ++k) lane(j + k, k);
+  });
   sp = lanes_total(sp_);
   ss = lanes_total(ss_);
 }
@@ -173,14 +179,7 @@ static float rms_row(const acc_t* mix, int64_t d, float eps, float* y) {
 #pragma omp simd
   for (int64_t j = 0; j < d; ++j) y[j] = static_cast<float>(to<T>(mix[j]));
   double ss_[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= d; j += kLanes) {
-#pragma omp simd
-    for (int64_t k = 0; k < kLanes; ++k) ss_[k] += static_cast<double>(y[j + k] * y[j + k]);
-  }
-  const int64_t tail = d - j;
-#pragma omp simd
-  for (int64_t k = 0; k < tail; ++k) ss_[k] += static_cast<double>(y[j + k] * y[j + k]);
+  over_lanes(d, [&](int64_t j, int64_t k) { ss_[k] += static_cast<double>(y[j] * y[j]); });
   return 1.0f / std::sqrt(static_cast<float>(lanes_total(ss_) / d) + eps);
 }
 
