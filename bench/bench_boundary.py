@@ -5,14 +5,15 @@
     python bench/bench_boundary.py --baseline vllm         # vLLM's own CPU op as the Llama side
     python bench/bench_boundary.py --baseline vllm --via op --tokens 1 32   # both as a compiled graph calls them
     python bench/bench_boundary.py --baseline vllm --cold --tokens 1024 --sources 0 4 8   # as inside a layer
+    python bench/bench_boundary.py --against HEAD~1 --cold --tokens 1024      # this kernel against an earlier one
 
 What a model does between two sublayers, on the same shapes, in one process:
 - `AttnRes`: `depth_attention_ops.site_boundary` as both models call it in eager CPU inference (the C++
-  kernel): the sublayer's output added into the float32 partial, the mix of `n` stored sources and the
-  partial, the next sublayer's RMSNorm. With `--via op`, the same kernel called as the dispatcher op
-  `attnres::site_boundary`, as vLLM's compiled graphs call it (its arguments go through the op's schema).
-  A boundary that closes a block also writes one bank row; the table times the others, which are most
-  of them.
+  kernel): the sublayer's output added into the float32 partial (in place, as past a model's first
+  layer), the mix of `n` stored sources and the partial, the next sublayer's RMSNorm. With `--via op`,
+  the same kernel called as the dispatcher op `attnres::site_boundary_reuse`, as vLLM's compiled graphs
+  call it (its arguments go through the op's schema). A boundary that closes a block also writes one
+  bank row; the table times the others, which are most of them.
 - `Llama`: `residual += output; output = RMSNorm(residual)` in place, one call: `bench/fused_llama.py`'s
   kernel (built as AttnRes's is), or with `--baseline vllm` vLLM's `_C.fused_add_rms_norm`, the op
   vLLM's Llama calls there.
@@ -23,6 +24,14 @@ median microseconds per call, the paired ratios (median, min-max) and what AttnR
 The end-to-end effect is `bench_vllm.py`'s and `bench_transformers.py`'s to measure; this script says
 where it comes from (how the kernel's cost grows with the tokens of a step and the stored sources).
 
+`--against REVISION` compares this checkout's kernel with another build of it instead of with Llama: the
+kernel's C++ source at a git revision of this repository (or in a Python file that defines it, as
+`modeling_attnres/depth_attention_cpu_source.py` does), compiled with the same flags and loaded beside it
+in the same process. Both are called directly as their extensions, the A/A control is the other build on
+its own tensors, and a column gives the largest difference between the two builds' outputs on the same
+inputs (0 where a change only moved time). Its C++ `site_boundary` must take this kernel's arguments (a
+build from before `reuse_partial` existed is called without it, writing fresh partials).
+
 `--cold` times each call alone after flushing the caches (writing a buffer of `--flush-mib` MiB, several
 times the last-level cache) and writing the sublayer's output: the state a boundary meets inside a
 model, where a layer's weights and activations have passed through the caches since the bank was last
@@ -31,8 +40,11 @@ machine's memory read bandwidth (a float32 sum over 512 MiB), the figure a byte 
 """
 
 import argparse
+import ast
+import hashlib
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -42,12 +54,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import alternate, footer, header, markdown_table, ratios, spread  # noqa: E402
 from fused_llama import fused_add_rms_norm_op  # noqa: E402
 
-from modeling_attnres.depth_attention import empty_bank, push_source  # noqa: E402
-from modeling_attnres.depth_attention_cpu import cpu_kernel_applies  # noqa: E402
+from modeling_attnres import depth_attention_cpu  # noqa: E402
+from modeling_attnres.depth_attention import DepthBank, empty_bank, push_source  # noqa: E402
+from modeling_attnres.depth_attention_cpu import compiler_flags, cpu_kernel_applies  # noqa: E402
 from modeling_attnres.depth_attention_ops import site_boundary  # noqa: E402
 
 EPS = 1e-6
-NAMES = ("AttnRes", "Llama", "Llama (A/A)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE_FILES = ("modeling_attnres/depth_attention_cpu_source.py",   # where the kernel's source lives
+                "modeling_attnres/depth_attention_cpu.py")          # where it lived before (up to 13727b4)
 
 
 def llama_op(baseline: str):
@@ -59,11 +74,11 @@ def llama_op(baseline: str):
     return fused_add_rms_norm_op()
 
 
-def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str = "extension"):
-    """A boundary over `sources` stored rows (of a bank with room for `sources + 1`), as the models call it:
-    through the extension (eager code) or, `via="op"`, as the dispatcher op `attnres::site_boundary` a
-    compiled graph calls (vLLM's, with `ATTNRES_CPU_KERNEL=compiled`)."""
-    gen = torch.Generator().manual_seed(sources)
+def boundary_inputs(tokens: int, d: int, sources: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+    """The extension's `site_boundary` arguments at a site that does not close a block: `sources` stored rows
+    (of a bank with room for `sources + 1`), the partial, the sublayer's output, the site's query and gain,
+    the next norm's weight."""
+    gen = torch.Generator().manual_seed(sources + 1000 * seed)
     embeds = torch.randn(tokens, d, generator=gen).to(dtype)
     bank = empty_bank(embeds, sources + 1, dtype)
     for _ in range(sources):
@@ -71,21 +86,120 @@ def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str
     partial, output = torch.randn(tokens, d, generator=gen), torch.randn(tokens, d, generator=gen).to(dtype)
     query, gain, norm = (torch.randn(1, d, generator=gen).to(dtype), torch.rand(d, generator=gen).to(dtype),
                          torch.rand(d, generator=gen).to(dtype))
+    return (bank.storage, bank.inv_storage, sources, partial, output, query, gain, EPS, False, norm, 1e-5, dtype,
+            False, False)
+
+
+def takes_reuse(kernel) -> bool:
+    """Whether a built kernel's `site_boundary` takes `reuse_partial` (its 15th argument; earlier builds
+    wrote every new partial to a fresh tensor)."""
+    return "arg14" in (kernel.site_boundary.__doc__ or "")
+
+
+def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str = "extension", kernel=None,
+                 seed: int = 0):
+    """A boundary on `boundary_inputs`, as the models call it past their first layer (the new partial
+    written into the partial they were given): through the extension (eager code) or, `via="op"`, as the
+    dispatcher op `attnres::site_boundary_reuse` a compiled graph calls (vLLM's, with
+    `ATTNRES_CPU_KERNEL=compiled`). With `kernel` (a built extension), its `site_boundary` called directly
+    (reusing the partial where that build can). Returns the call and the output tensor the sublayer
+    writes."""
+    args = boundary_inputs(tokens, d, sources, dtype, seed)
+    storage, inv_storage, _, partial, output, query, gain, _, _, norm = args[:10]
     if not cpu_kernel_applies(partial):
         raise SystemExit("The AttnRes C++ kernel is off or could not be built (see the log line above); this "
                          "benchmark times it. Unset ATTNRES_CPU_KERNEL=0, or install a C++ compiler and ninja.")
 
-    if via == "op":
-        op = torch.ops.attnres.site_boundary.default
-        args = (bank.storage, bank.inv_storage, sources, partial, output, query, gain, EPS, norm, 1e-5)
+    if kernel is not None:
+        args += (True,) if takes_reuse(kernel) else ()
+
+        def call():     # `fused_site_boundary`'s eager call, without its Python frame
+            kernel.site_boundary(*args)
+    elif via == "op":
+        op = torch.ops.attnres.site_boundary_reuse.default
+        op_args = (storage, inv_storage, sources, partial, output, query, gain, EPS, norm, 1e-5)
         # `fused_site_boundary`'s call in a compiled graph (a site that does not close a block)
 
         def call():
-            op(*args)
+            op(*op_args)
     else:
+        bank = DepthBank(storage, inv_storage, sources)
+
         def call():
-            site_boundary(bank, partial, output, query, gain, EPS, False, norm, 1e-5)
+            site_boundary(bank, partial, output, query, gain, EPS, False, norm, 1e-5, reuse_partial=True)
     return call, output
+
+
+def source_strings(text: str) -> dict[str, str]:
+    """The module-level strings a Python file defines from literals and each other (`X = r"..." + Y`),
+    evaluated without running the file: the kernel's source wherever a revision kept it."""
+    strings: dict[str, str] = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                value = eval(compile(ast.Expression(node.value), "<source>", "eval"), {"__builtins__": {}},
+                             dict(strings))
+            except Exception:                         # not built from strings alone: not part of the source
+                continue
+            if isinstance(value, str):
+                strings[node.targets[0].id] = value
+    return strings
+
+
+def git(root: str, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(["git"], 127, "", "git is not installed")
+
+
+def kernel_source_at(against: str, root: str = ROOT) -> tuple[str, str]:
+    """(label, C++ source) of the kernel `--against` names: a Python file that defines `KERNEL_SOURCE`, or
+    a git revision of the repository at `root` (whichever file held the source there)."""
+    if os.path.isfile(against):
+        with open(against) as handle:
+            texts, label = [handle.read()], os.path.basename(against)
+    else:
+        shown = [git(root, "show", f"{against}:{path}") for path in SOURCE_FILES]
+        texts = [done.stdout for done in shown if done.returncode == 0]
+        label = git(root, "rev-parse", "--short", against).stdout.strip() or against
+        if not texts:
+            raise SystemExit(f"--against {against!r}: not a file, and git found no kernel source at that revision "
+                             f"of {root} ({shown[-1].stderr.strip()}). Expected a revision of this repository "
+                             "such as HEAD~1, or a Python file defining KERNEL_SOURCE.")
+    for text in texts:
+        strings = source_strings(text)
+        source = strings.get("KERNEL_SOURCE") or strings.get("_SOURCE")
+        if source and "site_boundary" in source:
+            return label, source
+    raise SystemExit(f"--against {against!r}: no KERNEL_SOURCE (or _SOURCE) string with a site_boundary function "
+                     "in it. Expected a revision of this repository or a Python file defining KERNEL_SOURCE.")
+
+
+def build_kernel(label: str, source: str):
+    """`source` compiled as this checkout's kernel is (same flags), under a name of its own."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    flags, ldflags = compiler_flags()
+    name = f"attnres_bench_against_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
+    try:
+        return cpp_extension.load_inline(name, cpp_sources=source, functions=["site_boundary"], extra_cflags=flags,
+                                         extra_ldflags=ldflags)
+    except Exception as error:
+        raise SystemExit(f"--against: the kernel at {label} did not build ({type(error).__name__}: "
+                         f"{str(error)[-2000:]})") from error
+
+
+def largest_differences(kernels: list, tokens: int, d: int, sources: int, dtype: torch.dtype) -> str:
+    """The largest |difference| between the two kernels' normed outputs and new partials on the same inputs."""
+    args = boundary_inputs(tokens, d, sources, dtype, seed=3)        # read, not written: no partial reused
+    (partial_a, _, normed_a, _), (partial_b, _, normed_b, _) = (
+        kernel.site_boundary(*args, *((False,) if takes_reuse(kernel) else ())) for kernel in kernels)
+    if partial_a.shape != partial_b.shape or normed_a.shape != normed_b.shape:
+        raise SystemExit(f"--against: the two kernels return different shapes ({tuple(normed_a.shape)} against "
+                         f"{tuple(normed_b.shape)})")
+    return " / ".join(f"{(a.double() - b.double()).abs().max().item():.2e}"
+                      for a, b in ((normed_a, normed_b), (partial_a, partial_b)))
 
 
 def llama_call(op, tokens: int, d: int, dtype: torch.dtype, seed: int):
@@ -131,34 +245,58 @@ def read_bandwidth(mib: int = 512) -> float:
     return x.numel() * 4 / statistics.median(seconds) / 1e9
 
 
-def measure(args, op, tokens: int, sources: int, dtype: torch.dtype, flush: torch.Tensor | None) -> list:
+def llama_sides(op, d: int, dtype: torch.dtype, via: str):
+    """AttnRes against Llama's add+norm `op`, and the A/A control: the names and, per row, their calls."""
+    names = ("AttnRes", "Llama", "Llama (A/A)")
+
+    def makers(tokens: int, sources: int) -> dict:
+        return {names[0]: lambda: attnres_call(tokens, d, sources, dtype, via),
+                names[1]: lambda: llama_call(op, tokens, d, dtype, 1),
+                names[2]: lambda: llama_call(op, tokens, d, dtype, 2)}
+    return names, makers
+
+
+def against_sides(kernels: list, label: str, d: int, dtype: torch.dtype):
+    """This checkout's kernel against the build `kernels[1]` (at `label`), the control being that build on
+    tensors of its own: the names and, per row, their calls."""
+    names = ("AttnRes", f"AttnRes at {label}", f"AttnRes at {label} (A/A)")
+
+    def makers(tokens: int, sources: int) -> dict:
+        return {name: (lambda kernel=kernel, seed=seed: attnres_call(tokens, d, sources, dtype, kernel=kernel,
+                                                                      seed=seed))
+                for seed, (name, kernel) in enumerate(zip(names, (kernels[0], kernels[1], kernels[1])))}
+    return names, makers
+
+
+def measure(args, names: tuple, makers: dict, tokens: int, sources: int, flush: torch.Tensor | None) -> list:
     """One table row: median microseconds per call of each, and the paired ratios."""
     most = 16 if flush is not None else 2000                        # a flush costs milliseconds
     calls = args.calls or max(4, min(most, 262144 // tokens))       # ~the same time per repeat at every size
-    makers = {NAMES[0]: lambda: attnres_call(tokens, args.hidden_size, sources, dtype, args.via),
-              NAMES[1]: lambda: llama_call(op, tokens, args.hidden_size, dtype, 1),
-              NAMES[2]: lambda: llama_call(op, tokens, args.hidden_size, dtype, 2)}
     runs = {}
     for name, make in makers.items():
         fn, output = make()
         runs[name] = repeated(fn if flush is None else flushed(fn, output, flush), calls)
     paired: list[dict[str, float]] = []
     seconds = alternate(runs, args.repeats, warmup=1, paired=paired)          # medians per timed unit
-    us = {name: seconds[name] / calls * 1e6 for name in NAMES}
-    extra_ns = (us[NAMES[0]] - us[NAMES[1]]) / tokens * 1e3
-    return [tokens, sources, f"{us[NAMES[0]]:.1f}", f"{us[NAMES[1]]:.1f}", f"{us[NAMES[2]]:.1f}",
-            spread(ratios(paired, NAMES[0], NAMES[1])), spread(ratios(paired, NAMES[2], NAMES[1])),
+    us = {name: seconds[name] / calls * 1e6 for name in names}
+    extra_ns = (us[names[0]] - us[names[1]]) / tokens * 1e3
+    return [tokens, sources, f"{us[names[0]]:.1f}", f"{us[names[1]]:.1f}", f"{us[names[2]]:.1f}",
+            spread(ratios(paired, names[0], names[1])), spread(ratios(paired, names[2], names[1])),
             f"{extra_ns:.1f}", len(paired)]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=576)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 1024, 4096])
     parser.add_argument("--sources", type=int, nargs="+", default=[0, 4, 8],
                         help="stored sources the boundary reads (SmolLM2 with block size 4: 1 to 8)")
-    parser.add_argument("--baseline", choices=("fused-llama", "vllm"), default="fused-llama")
+    parser.add_argument("--baseline", choices=("fused-llama", "vllm"), default=None,
+                        help="the Llama side (default: fused-llama)")
+    parser.add_argument("--against", metavar="REVISION",
+                        help="compare with the kernel at this git revision (or in this Python file) instead of "
+                             "with Llama (see above)")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--calls", type=int, default=0, help="calls per timed unit (default: by size)")
     parser.add_argument("--via", choices=("extension", "op"), default="extension",
@@ -174,24 +312,43 @@ def main() -> None:
     if bad:
         parser.error(f"{', '.join(bad)}: expected tokens >= 1, sources >= 0, repeats >= 2, a positive hidden size "
                      "and a positive --flush-mib")
-    dtype = getattr(torch, args.dtype)
-    op = llama_op(args.baseline)
+    if args.against and (args.baseline or args.via == "op"):
+        parser.error(f"--against {args.against} compares two builds of AttnRes's kernel, both called as extensions: "
+                     "--baseline and --via op do not apply to it; drop them or drop --against")
+    args.baseline = None if args.against else (args.baseline or "fused-llama")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    dtype, d = getattr(torch, args.dtype), args.hidden_size
     with torch.inference_mode():                                  # as the models run: no autograd
+        if args.against:
+            label, source = kernel_source_at(args.against)
+            attnres_call(1, d, 0, dtype)                          # builds (or loads) this checkout's kernel
+            kernels = [depth_attention_cpu._build(), build_kernel(label, source)]   # the first: as the models load it
+            names, makers = against_sides(kernels, label, d, dtype)
+            title, sides = f"One sublayer boundary, AttnRes's C++ kernel / the kernel at {label}", {"against": label}
+        else:
+            names, makers = llama_sides(llama_op(args.baseline), d, dtype, args.via)
+            title = "One sublayer boundary, AttnRes's C++ kernel / Llama's fused add+RMSNorm"
+            sides = {"Llama side": args.baseline, "AttnRes called via": args.via}
         flush = torch.zeros(args.flush_mib * 2**18) if args.cold else None
-        rows = [measure(args, op, tokens, sources, dtype, flush) for tokens in args.tokens
-                for sources in args.sources]
+        rows = [measure(args, names, makers(tokens, sources), tokens, sources, flush)
+                + ([largest_differences(kernels, tokens, d, sources, dtype)] if args.against else [])
+                for tokens in args.tokens for sources in args.sources]
     caches = f"flushed before every call ({args.flush_mib} MiB written)" if args.cold else "warm (calls back to back)"
-    print(header("One sublayer boundary, AttnRes's C++ kernel / Llama's fused add+RMSNorm", {
-        "hidden": args.hidden_size, "dtype": args.dtype, "Llama side": args.baseline, "AttnRes called via": args.via,
-        "repeats": args.repeats,
-        "threads": torch.get_num_threads(), "caches": caches}))
+    print(header(title, {"hidden": d, "dtype": args.dtype, **sides, "repeats": args.repeats,
+                         "threads": torch.get_num_threads(), "caches": caches}))
     print()
     if args.cold:
         print(f"memory read bandwidth: {read_bandwidth():.1f} GB/s (a float32 sum over 512 MiB, median of 5)")
         print()
-    print(markdown_table(["tokens", "stored sources", "AttnRes us", "Llama us", "Llama (A/A) us",
-                          "AttnRes / Llama (median, min-max)", "A/A (median, min-max)",
-                          "AttnRes - Llama per token, ns", "pairs"], rows))
+    columns = ["tokens", "stored sources", *(f"{name} us" for name in names),
+               f"{names[0]} / {names[1]} (median, min-max)", "A/A (median, min-max)",
+               f"{names[0]} - {names[1]} per token, ns", "pairs"]
+    columns += ["largest difference, normed output / partial"] if args.against else []
+    print(markdown_table(columns, rows))
     print()
     print(footer())
 

@@ -114,11 +114,13 @@ class AttnResDepthMix(nn.Module):
 
     def forward(self, bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor | None,
                 proj: AttnResPseudoQuery, key_norm: AttnResRMSNorm, closes_block: bool, norm: AttnResRMSNorm,
-                keep_weights: bool = False) -> tuple[SiteBoundary, torch.Tensor | None]:
+                keep_weights: bool = False, reuse_partial: bool = False) -> tuple[SiteBoundary, torch.Tensor | None]:
         """The boundary (`.normed` is the next sublayer's input) and, if `keep_weights`, the site's weights
-        `[*tokens, num_sources]`."""
+        `[*tokens, num_sources]`. `reuse_partial`: `partial` came out of an earlier boundary that added an
+        output, so its memory may take the new partial (`depth_attention_ops.site_boundary`)."""
         boundary = site_boundary(bank, partial, output, proj.weight, key_norm.weight, key_norm.variance_epsilon,
-                                 closes_block, norm.weight, norm.variance_epsilon, keep_weights)
+                                 closes_block, norm.weight, norm.variance_epsilon, keep_weights,
+                                 reuse_partial=reuse_partial)
         return boundary, boundary.weights
 
 
@@ -220,9 +222,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """Takes the depth history and the previous sublayer's output, not yet added (`output`; None at
         layer 0, where `partial` is the embedding); returns the new `(bank, partial, output)`, this layer's
         MLP output likewise not yet added. The sites' weights are recorded when asked."""
+        # Past layer 0 the partial is the forward's own (an earlier boundary made it): its memory is reused.
+        # At layer 0 it may be the caller's embedding, passed through the first boundary unchanged.
+        owned = output is not None
         boundary, _ = self.depth_mix(bank, partial, output, self.self_attention_res_proj,
                                      self.self_attention_res_norm, self.attn_closes_block, self.input_layernorm,
-                                     output_depth_attentions)
+                                     output_depth_attentions, reuse_partial=owned)
         h, _ = self.self_attn(
             hidden_states=boundary.normed,
             attention_mask=attention_mask,
@@ -233,7 +238,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         boundary, _ = self.depth_mix(boundary.bank, boundary.partial, h, self.mlp_res_proj, self.mlp_res_norm,
-                                     self.mlp_closes_block, self.post_attention_layernorm, output_depth_attentions)
+                                     self.mlp_closes_block, self.post_attention_layernorm, output_depth_attentions,
+                                     reuse_partial=owned)
         del h                                  # now in the partial: freed before the MLP's peak, as Llama frees it
         return boundary.bank, boundary.partial, self.mlp(boundary.normed)
 
@@ -413,7 +419,8 @@ class AttnResModel(AttnResPreTrainedModel):
                 all_hidden_states.append(stream.to(inputs_embeds.dtype))
 
         boundary, _ = self.output_depth_mix(bank, partial, output, self.output_attn_res_proj,
-                                            self.output_attn_res_norm, False, self.norm, output_depth_attentions)
+                                            self.output_attn_res_norm, False, self.norm, output_depth_attentions,
+                                            reuse_partial=output is not None)
         hidden_states = boundary.normed
         if output_hidden_states:
             all_hidden_states[-1] = hidden_states

@@ -108,12 +108,13 @@ class AttnResPseudoQuery(nn.Module):
 
 
 def boundary(bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor | None, proj: AttnResPseudoQuery,
-             key_norm: RMSNorm, closes_block: bool, norm: RMSNorm) -> SiteBoundary:
+             key_norm: RMSNorm, closes_block: bool, norm: RMSNorm, reuse_partial: bool = False) -> SiteBoundary:
     """One sublayer boundary (`depth_attention_ops.site_boundary`): `output` added into the partial, the
     site's mix, the block store when the site closes one, and `norm` (the next sublayer's RMSNorm) of the
-    mix as `.normed`."""
+    mix as `.normed`. `reuse_partial`: `partial` came out of an earlier boundary that added an output, so
+    its memory may take the new partial."""
     return site_boundary(bank, partial, output, proj.weight, key_norm.weight, key_norm.variance_epsilon,
-                         closes_block, norm.weight, norm.variance_epsilon)
+                         closes_block, norm.weight, norm.variance_epsilon, reuse_partial=reuse_partial)
 
 
 class AttnResAttention(LlamaAttention):
@@ -178,11 +179,14 @@ class AttnResDecoderLayer(nn.Module):
         """Both boundaries and sublayers. Takes the depth history and the previous sublayer's output, not
         yet added (None at a stage's first layer); returns the bank (with any block closed here), the
         partial and this layer's MLP output, likewise not yet added."""
+        # Past a stage's first layer the partial is the forward's own (an earlier boundary made it): its
+        # memory is reused. At the first it may be the embedding or the received partial, passed through.
+        owned = output is not None
         b = boundary(bank, partial, output, self.self_attention_res_proj, self.self_attention_res_norm,
-                     self.attn_closes_block, self.input_layernorm)
+                     self.attn_closes_block, self.input_layernorm, owned)
         h = self.self_attn(positions=positions, hidden_states=b.normed)
         b = boundary(b.bank, b.partial, h, self.mlp_res_proj, self.mlp_res_norm, self.mlp_closes_block,
-                     self.post_attention_layernorm)
+                     self.post_attention_layernorm, owned)
         del h                                  # now in the partial: freed before the MLP's peak, as Llama frees it
         return b.bank, b.partial, self.mlp(b.normed)
 

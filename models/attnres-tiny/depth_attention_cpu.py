@@ -3,11 +3,12 @@
 In eager PyTorch a depth-attention site is about twenty small tensor operations, each paying
 dispatch overhead whatever its size; at one decoded token that overhead is most of the site's cost,
 and Llama does not pay it (README, "Performance"). This kernel does a whole sublayer boundary in one
-call, per token in one pass over its bank row: the sublayer output added into the partial, the
-scores, softmax and weighted sum (a bfloat16/float16 bank read as float32, the key-norm gain folded
-into the query), the block store in place when the site closes one, and the next sublayer's RMSNorm
-of the mix (rounded as transformers' `LlamaRMSNorm`). `mix_site` and `push_source` are the same
-kernel's parts on their own, for callers that still run them separately.
+call, per token in one pass over its bank row: the sublayer output added into the partial (in place
+where the caller passes `reuse_partial`), the scores, softmax and weighted sum (a bfloat16/float16
+bank read as float32, the key-norm gain folded into the query), the block store in place when the site
+closes one, and the next sublayer's RMSNorm of the mix (rounded as transformers' `LlamaRMSNorm`).
+`mix_site` and `push_source` are the same kernel's parts on their own, for callers that still run them
+separately.
 
 It is a sibling backend of the torch functions, not a second definition: `depth_attention` stays
 the reference (the tests hold this kernel to it and to the float64 oracle) and the only path under
@@ -19,7 +20,7 @@ torch path (same results). It is turned off by `ATTNRES_CPU_KERNEL=0` or `enable
 
 Inside `torch.compile` the sites are left to Inductor's generated code unless asked for with
 `enable_cpu_kernel(compiled=True)` / `ATTNRES_CPU_KERNEL=compiled`: then they run as the custom ops
-`attnres::mix_site` / `attnres::site_boundary` (with fake implementations for tracing). In
+`attnres::mix_site` / `attnres::site_boundary[_store|_reuse]` (with fake implementations for tracing). In
 transformers' compiled decoding the ops measured no faster than Inductor's code, so graphs do not use
 them by default; `attnres-serve` turns them on for vLLM's graphs, where they measured faster
 (docs/performance.md).
@@ -180,7 +181,7 @@ if not hasattr(torch.ops.attnres, "mix_site"):      # once per process (the pack
     torch.library.custom_op("attnres::mix_site", _mix_site_impl, mutates_args=())
     torch.library.register_fake("attnres::mix_site", _mix_site_fake)
 
-_SIGNATURE = ("({storage}, {inv_storage}, int num_stored, Tensor? partial, Tensor? output, Tensor query, "
+_SIGNATURE = ("({storage}, {inv_storage}, int num_stored, {partial}, Tensor? output, Tensor query, "
               "Tensor? gain, float eps, Tensor? norm_weight, float norm_eps) -> {returns}")
 
 
@@ -195,7 +196,8 @@ def _boundary_fake(storage: Tensor, inv_storage: Tensor, num_stored: int, partia
 
 
 def _boundary_store_fake(*args) -> Tensor:
-    """`attnres::site_boundary_store`'s result: the normed mix (the block goes into the bank)."""
+    """`attnres::site_boundary_store`'s and `attnres::site_boundary_reuse`'s result: the normed mix (the
+    block goes into the bank; the new partial into `partial`)."""
     return _boundary_fake(*args)[1]
 
 
@@ -209,17 +211,20 @@ def _boundary_first_call(name: str):
 
 
 # Registered once per process: the package and a Hub copy of this file may both be imported. The
-# boundary is two ops, so that only the one that stores a block declares (and does) a write to the bank.
+# boundary is three ops, so that each declares (and does) only its writes: the one that stores a block
+# writes the bank, the one that reuses the partial writes the new partial into it.
 # Schemas and fake implementations are defined here, the CPU kernels in C++ (`register_ops`), so a
 # compiled graph calls the C++ without a Python hop; until the extension is loaded a Python kernel for
 # any backend (CompositeExplicitAutograd, below the CPU kernel in precedence) loads it.
 if not hasattr(torch.ops.attnres, "site_boundary"):
     _LIBRARY = torch.library.Library("attnres", "FRAGMENT")  # a registration lives as long as its Library
-    for _name, _mutable, _returns, _fake in (("site_boundary", "", "(Tensor, Tensor)", _boundary_fake),
-                                             ("site_boundary_store", "(a!)", "Tensor", _boundary_store_fake)):
-        _LIBRARY.define(_name + _SIGNATURE.format(storage=f"Tensor{_mutable} storage",
-                                                  inv_storage=f"Tensor{_mutable and '(b!)'} inv_storage",
-                                                  returns=_returns))
+    for _name, _bank, _partial, _returns, _fake in (
+            ("site_boundary", "", "", "(Tensor, Tensor)", _boundary_fake),
+            ("site_boundary_store", "(a!)", "", "Tensor", _boundary_store_fake),
+            ("site_boundary_reuse", "", "(a!)", "Tensor", _boundary_store_fake)):
+        _LIBRARY.define(_name + _SIGNATURE.format(storage=f"Tensor{_bank} storage",
+                                                  inv_storage=f"Tensor{_bank and '(b!)'} inv_storage",
+                                                  partial=f"Tensor{_partial}? partial", returns=_returns))
         torch.library.register_fake(f"attnres::{_name}", _fake)
         _LIBRARY.impl(_name, _boundary_first_call(_name), "CompositeExplicitAutograd")
 
@@ -254,10 +259,11 @@ def fused_mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, 
 def fused_site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None, query: Tensor, eps: float,
                         closes_block: bool, norm_weight: Tensor | None, norm_eps: float, dtype: torch.dtype,
                         keep_weights: bool = False, keep_mixed: bool = False,
-                        gain: Tensor | None = None) -> SiteBoundary:
+                        gain: Tensor | None = None, reuse_partial: bool = False) -> SiteBoundary:
     """`depth_attention.site_boundary` (same arguments, same results up to float rounding) in one C++
     call; the block, when the site closes one, is stored in place. With `gain` (the site's key-norm
-    weight), `query` is the raw pseudo-query, folded in C++. Forward only: call it where
+    weight), `query` is the raw pseudo-query, folded in C++. With `reuse_partial` (the caller no longer
+    reads `partial`), the new partial is written into `partial`'s memory. Forward only: call it where
     `cpu_kernel_applies`."""
     n = bank.num_stored
     no_room = closes_block and n >= bank.storage.shape[-2]              # the reference grows the bank
@@ -270,18 +276,28 @@ def fused_site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor 
     if output is None and partial.dtype not in (torch.float32, torch.float64):
         partial, output = None, partial                # the embedding: read (as the output) in float32
     if torch.compiler.is_compiling():
-        args = (bank.storage, bank.inv_storage, n, partial, output, query, gain, eps, norm_weight, norm_eps)
-        if closes_block:
-            new_partial, result = None, torch.ops.attnres.site_boundary_store(*args)
-        else:
-            new_partial, result = torch.ops.attnres.site_boundary(*args)
-            new_partial = new_partial if output is not None else None
+        new_partial, result = _compiled_boundary(bank, partial, output, query, gain, eps, closes_block, norm_weight,
+                                                 norm_eps, reuse_partial)
         mixed, normed, weights = (result, None, None) if norm_weight is None else (None, result, None)
     else:
         # Eager calls the extension directly (see `fused_mix_site`); what it does not produce is None.
         new_partial, mixed, normed, weights = (_module or _build()).site_boundary(
             bank.storage, bank.inv_storage, n, partial, output, query, gain, eps, closes_block, norm_weight, norm_eps,
-            dtype, keep_mixed, keep_weights)
+            dtype, keep_mixed, keep_weights, reuse_partial)
     if closes_block:
         return SiteBoundary(DepthBank(bank.storage, bank.inv_storage, n + 1), None, mixed, normed, weights)
     return SiteBoundary(bank, partial if new_partial is None else new_partial, mixed, normed, weights)
+
+
+def _compiled_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None, query: Tensor,
+                       gain: Tensor | None, eps: float, closes_block: bool, norm_weight: Tensor | None,
+                       norm_eps: float, reuse_partial: bool) -> tuple[Tensor | None, Tensor]:
+    """The boundary as a compiled graph's op: (the new partial, or None where there is none; the normed mix,
+    or the mix without a norm)."""
+    args = (bank.storage, bank.inv_storage, bank.num_stored, partial, output, query, gain, eps, norm_weight, norm_eps)
+    if closes_block:
+        return None, torch.ops.attnres.site_boundary_store(*args)
+    if reuse_partial and partial is not None and output is not None:
+        return partial, torch.ops.attnres.site_boundary_reuse(*args)       # the new partial written into it
+    new_partial, result = torch.ops.attnres.site_boundary(*args)
+    return (new_partial if output is not None else None), result

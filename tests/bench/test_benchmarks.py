@@ -368,6 +368,61 @@ def test_bench_boundary_rejects_a_bad_size_naming_it():
         done.stderr
 
 
+@pytest.mark.timeout(400)
+def test_bench_boundary_against_another_build_times_both_and_shows_where_their_outputs_differ(tmp_path):
+    """`--against FILE` builds the kernel source a file defines beside this checkout's and times the two with
+    the other build's A/A control; the difference column is computed from both builds' outputs: a copy
+    whose norm epsilon is 1000x differs in the normed output and not in the partial (which the norm does
+    not touch)."""
+    from modeling_attnres.depth_attention_cpu_source import KERNEL_SOURCE
+
+    changed = "static_cast<float>(norm_eps) * 1000.0f;"
+    assert KERNEL_SOURCE.count("static_cast<float>(norm_eps);") == 1
+    other = tmp_path / "other_kernel.py"
+    other.write_text("KERNEL_SOURCE = " + repr(KERNEL_SOURCE.replace("static_cast<float>(norm_eps);", changed)))
+    out = run("bench_boundary.py", "--against", str(other), "--hidden-size", "64", "--tokens", "1", "33",
+              "--sources", "0", "3", "--repeats", "2", "--calls", "2", timeout=360)
+    assert_header(out, "hidden 64", "against other_kernel.py", "repeats 2")
+    [rows] = tables(out)
+    assert [(r["tokens"], r["stored sources"]) for r in rows] == [("1", "0"), ("1", "3"), ("33", "0"), ("33", "3")]
+    for row in rows:
+        spread(row["AttnRes / AttnRes at other_kernel.py (median, min-max)"]), spread(row["A/A (median, min-max)"])
+        assert all(float(row[c]) > 0 for c in ("AttnRes us", "AttnRes at other_kernel.py us",
+                                                "AttnRes at other_kernel.py (A/A) us")), row
+        normed, partial = map(float, row["largest difference, normed output / partial"].split(" / "))
+        assert normed > 1e-4 and partial == 0.0, row
+
+
+def test_bench_boundary_finds_the_kernel_source_at_a_revision_in_either_layout(tmp_path):
+    """A revision's kernel source is read from git without running the file, whether it lived in
+    `depth_attention_cpu_source.py` (KERNEL_SOURCE) or, earlier, in `depth_attention_cpu.py` (_SOURCE)."""
+    import bench_boundary
+
+    def commit(path: str, text: str) -> None:
+        (tmp_path / "modeling_attnres").mkdir(exist_ok=True)
+        (tmp_path / path).write_text(text)
+        for args in (["add", path], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", path]):
+            assert bench_boundary.git(str(tmp_path), *args).returncode == 0
+
+    assert bench_boundary.git(str(tmp_path), "init", "-q").returncode == 0
+    commit("modeling_attnres/depth_attention_cpu.py", 'import os\nROUNDING_CPP = r"""// to<T>"""\n'
+           '_SOURCE = r"""void site_boundary() {} """ + ROUNDING_CPP\n_enabled = os.environ.get("X") != "0"\n')
+    commit("modeling_attnres/depth_attention_cpu_source.py", 'LANES_CPP = "// lanes "\n'
+           'KERNEL_SOURCE = r"""// new """ + LANES_CPP + "void site_boundary() {}"\n')
+    assert bench_boundary.kernel_source_at("HEAD~1", str(tmp_path))[1] == "void site_boundary() {} // to<T>"
+    label, source = bench_boundary.kernel_source_at("HEAD", str(tmp_path))
+    assert source == "// new // lanes void site_boundary() {}" and len(label) >= 7, label
+    with pytest.raises(SystemExit, match="no-such-revision.*git found no kernel source"):
+        bench_boundary.kernel_source_at("no-such-revision", str(tmp_path))
+
+
+def test_bench_boundary_against_refuses_the_llama_options_naming_them():
+    done = run_bounded([sys.executable, str(ROOT / "bench" / "bench_boundary.py"), "--against", "HEAD", "--via", "op"],
+                       timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "--against HEAD compares two builds" in done.stderr \
+        and "--baseline and --via op do not apply" in done.stderr, done.stderr
+
+
 @pytest.mark.timeout(660)
 def test_gpu_run_sh_dry_run_writes_one_table_per_step_and_names_what_failed(tmp_path):
     """`DRY_RUN=1 bash bench/gpu/run.sh` runs the GPU steps at toy sizes on the CPU (Triton's interpreter):

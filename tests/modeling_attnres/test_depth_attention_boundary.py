@@ -323,13 +323,15 @@ CLOSES = [True, False, True, False, False]
 
 
 def boundaries(params, embeds, outs, storage=None, inv_storage=None, n=0):
-    """Five boundaries from the embedding (or from a bank passed in, as a vLLM piece receives it)."""
+    """Five boundaries from the embedding (or from a bank passed in, as a vLLM piece receives it), each
+    reusing a partial that an earlier boundary made by adding an output, as the models do."""
     bank = empty_bank(embeds, 3, BF16) if storage is None else DepthBank(storage, inv_storage, n)
     partial, output = (embeds, None) if storage is None else (embeds.float(), outs[0])
-    normed = []
+    normed, owned = [], False
     for j, closes in enumerate(CLOSES):
-        b = ops.site_boundary(bank, partial, output, *params[j][:2], EPS, closes, params[j][2], NORM_EPS)
-        bank, partial, output = b.bank, b.partial, outs[j]
+        b = ops.site_boundary(bank, partial, output, *params[j][:2], EPS, closes, params[j][2], NORM_EPS,
+                              reuse_partial=owned)
+        bank, partial, output, owned = b.bank, b.partial, outs[j], output is not None
         normed.append(b.normed)
     return normed
 
@@ -338,8 +340,8 @@ def boundaries(params, embeds, outs, storage=None, inv_storage=None, n=0):
 @pytest.mark.parametrize("in_graphs", [True, False])
 def test_compiled_graphs_write_the_bank_in_place_and_never_copy_it(in_graphs):
     """Inductor's code for a compiled chain of boundaries. With the kernel enabled for graphs, every
-    boundary is one call of `attnres::site_boundary[_store]`, the bank is allocated once and written in
-    place by the ops (no clone, no copy), also when it is an input of the graph (a vLLM piece), and the
+    boundary is one call of `attnres::site_boundary[_store|_reuse]`, the bank is allocated once and written
+    in place by the ops (no clone, no copy), also when it is an input of the graph (a vLLM piece), and the
     results are the eager kernel's, bit for bit. Otherwise (the default) no op is in the graph."""
     from torch._inductor.utils import run_and_get_code
 
@@ -360,9 +362,9 @@ def test_compiled_graphs_write_the_bank_in_place_and_never_copy_it(in_graphs):
                                                     storage, inv_storage)
         finally:
             cpu.enable_cpu_kernel()
-    calls = code.count("torch.ops.attnres.site_boundary_store.default(") + code.count(
-        "torch.ops.attnres.site_boundary.default(")
-    assert calls == (len(CLOSES) if in_graphs else 0), code
+    calls = [code.count(f"torch.ops.attnres.{op}.default(")
+             for op in ("site_boundary_store", "site_boundary", "site_boundary_reuse")]
+    assert calls == ([2, 2, 1] if in_graphs else [0, 0, 0]), code        # the last boundary reuses the partial
     tol = dict(rtol=0, atol=0) if in_graphs else dict(rtol=2 ** -7, atol=1e-2)   # the same C++, or Inductor's sums
     for a, b in zip(whole + piece, eager + eager_piece, strict=True):
         torch.testing.assert_close(a, b, **tol)
@@ -374,6 +376,43 @@ def test_compiled_graphs_write_the_bank_in_place_and_never_copy_it(in_graphs):
         for text in (code, piece_code):                                              # no copy into or out of it
             assert "copy_(" not in text and "clone" not in text and "aten.copy" not in text, text
         assert storage[:, 1].abs().sum() > 0                                         # the input bank, written
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype,bank_dtype", [(F32, None), (BF16, BF16)])
+def test_a_reused_partial_takes_the_new_partial_eager_and_compiled_with_the_same_results(dtype, bank_dtype):
+    """`reuse_partial=True`: the eager kernel writes the new partial into the partial it was given (the same
+    tensor comes back), the compiled op `attnres::site_boundary_reuse` does the same to a graph input with
+    no copy in Inductor's code, and both give the results of a boundary that does not reuse, bit for bit.
+    A partial that is not contiguous is left alone (a fresh one is returned)."""
+    from torch._inductor.utils import run_and_get_code
+
+    bank, partial, output, proj, gain, norm_weight = make(3, (4, 6), 64, dtype, bank_dtype, seed=11)
+
+    def boundary(storage, inv_storage, partial, output):
+        return ops.site_boundary(DepthBank(storage, inv_storage, 3), partial, output, proj, gain, EPS, False,
+                                 norm_weight, NORM_EPS, reuse_partial=True)
+
+    with torch.no_grad():
+        fresh = ops.site_boundary(copy(bank), partial, output, proj, gain, EPS, False, norm_weight, NORM_EPS)
+        given = partial.clone()
+        eager = boundary(bank.storage, bank.inv_storage, given, output)
+        strided = partial.transpose(0, 1).contiguous().transpose(0, 1)         # the same values, transposed
+        kept = boundary(bank.storage, bank.inv_storage, strided, output)
+        torch._dynamo.reset()
+        cpu.enable_cpu_kernel(compiled=True)
+        try:
+            graph_input = partial.clone()
+            compiled, (code,) = run_and_get_code(torch.compile(lambda *a: boundary(*a).normed, fullgraph=True),
+                                                 bank.storage, bank.inv_storage, graph_input, output)
+        finally:
+            cpu.enable_cpu_kernel()
+    assert eager.partial is given and torch.equal(given, fresh.partial) and torch.equal(eager.normed, fresh.normed)
+    assert kept.partial is not strided and torch.equal(strided, partial) and torch.equal(kept.partial, fresh.partial)
+    assert torch.equal(compiled, fresh.normed) and torch.equal(graph_input, fresh.partial)
+    code = code[code.index("def call("):code.index("def get_args(")]
+    assert code.count("torch.ops.attnres.site_boundary_reuse.default(") == 1, code
+    assert "copy_(" not in code and "clone" not in code and "aten.copy" not in code, code
 
 
 @pytest.mark.timeout(600)

@@ -215,6 +215,37 @@ def test_model_with_the_kernel_matches_the_torch_path(mode, dtype):
         assert (scored.amax(-1) - chosen <= tol * scored.abs().amax()).all(), (fused_tokens, ref_tokens)
 
 
+def test_the_model_writes_its_own_partials_in_place_and_never_the_callers_embedding():
+    """Past layer 0 a layer's boundaries write the new partial into the partial they were given (the
+    forward's own, made by an earlier boundary), so a layer that closes no block returns the very tensor it
+    received; the caller's float32 `inputs_embeds` (block 0) is never written. The logits are those of
+    the torch path."""
+    model = tiny_model(seed=5, attn_res_mode="block", attn_res_block_size=3)
+    sites = model.config.depth_sites
+    seen = []
+    hooks = [layer.register_forward_hook(lambda _, args, out, i=i: seen.append((i, args[1], out[1])))
+             for i, layer in enumerate(model.model.layers)]
+    embeds = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    given = embeds.clone()
+    try:
+        with torch.no_grad():
+            fused = model(inputs_embeds=embeds).logits
+            cpu.enable_cpu_kernel(False)
+            ref = model(inputs_embeds=embeds).logits
+    finally:
+        cpu.enable_cpu_kernel()
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(embeds, given)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    in_place = [i for i, received, returned in seen[:len(model.model.layers)]
+                if i > 0 and received is not None and not sites[2 * i].closes_block
+                and not sites[2 * i + 1].closes_block]
+    assert in_place, [(s.index, s.closes_block) for s in sites]            # the case this test is about
+    for i, received, returned in seen[:len(model.model.layers)]:
+        assert (returned is received) == (i in in_place), (i, sites[2 * i], sites[2 * i + 1])
+
+
 def test_training_forward_keeps_the_torch_path_and_its_gradients():
     model = tiny_model(seed=4).train()
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
