@@ -130,23 +130,37 @@ def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str
     return call, output
 
 
-def source_strings(text: str) -> dict[str, str]:
+def string_value(node: ast.expr, strings: dict[str, str]) -> str | None:
+    """The value of a string literal, a name of one in `strings`, or a `+` of such; None for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return strings.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = string_value(node.left, strings), string_value(node.right, strings)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def source_strings(text: str, origin: str) -> dict[str, str]:
     """The module-level strings a Python file defines from literals and each other (`X = r"..." + Y`),
-    evaluated without running the file: the kernel's source wherever a revision kept it."""
+    read without running the file: the kernel's source wherever a revision kept it."""
+    try:
+        body = ast.parse(text).body
+    except SyntaxError as error:
+        raise SystemExit(f"--against {origin}: not Python ({error}). Expected a revision of this repository or "
+                         "a Python file defining KERNEL_SOURCE.") from error
     strings: dict[str, str] = {}
-    for node in ast.parse(text).body:
+    for node in body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            try:
-                value = eval(compile(ast.Expression(node.value), "<source>", "eval"), {"__builtins__": {}},
-                             dict(strings))
-            except Exception:                         # not built from strings alone: not part of the source
-                continue
-            if isinstance(value, str):
+            value = string_value(node.value, strings)
+            if value is not None:
                 strings[node.targets[0].id] = value
     return strings
 
 
 def git(root: str, *args: str) -> subprocess.CompletedProcess:
+    """`git -C root args...`, its output captured (exit status 127 where git is not installed)."""
     try:
         return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
     except FileNotFoundError:
@@ -168,7 +182,7 @@ def kernel_source_at(against: str, root: str = ROOT) -> tuple[str, str]:
                              f"of {root} ({shown[-1].stderr.strip()}). Expected a revision of this repository "
                              "such as HEAD~1, or a Python file defining KERNEL_SOURCE.")
     for text in texts:
-        strings = source_strings(text)
+        strings = source_strings(text, against)
         source = strings.get("KERNEL_SOURCE") or strings.get("_SOURCE")
         if source and "site_boundary" in source:
             return label, source
@@ -190,11 +204,19 @@ def build_kernel(label: str, source: str):
                          f"{str(error)[-2000:]})") from error
 
 
-def largest_differences(kernels: list, tokens: int, d: int, sources: int, dtype: torch.dtype) -> str:
-    """The largest |difference| between the two kernels' normed outputs and new partials on the same inputs."""
-    args = boundary_inputs(tokens, d, sources, dtype, seed=3)        # read, not written: no partial reused
-    (partial_a, _, normed_a, _), (partial_b, _, normed_b, _) = (
-        kernel.site_boundary(*args, *((False,) if takes_reuse(kernel) else ())) for kernel in kernels)
+def largest_differences(kernels: list, label: str, tokens: int, d: int, sources: int, dtype: torch.dtype) -> str:
+    """The largest |difference| between the two kernels' normed outputs and new partials on the same inputs,
+    each called as it is timed (reusing its own copy of the partial where it can)."""
+    results = []
+    for kernel in kernels:
+        args = boundary_inputs(tokens, d, sources, dtype, seed=3)    # the same values, fresh for each
+        try:
+            results.append(kernel.site_boundary(*args, *((True,) if takes_reuse(kernel) else ())))
+        except (TypeError, RuntimeError) as error:
+            raise SystemExit(f"--against: the kernel at {label} does not take this kernel's arguments, or refused "
+                             f"them ({type(error).__name__}: {str(error)[:600]}). Compare with a revision whose "
+                             "site_boundary has the same signature.") from error
+    (partial_a, _, normed_a, _), (partial_b, _, normed_b, _) = results
     if partial_a.shape != partial_b.shape or normed_a.shape != normed_b.shape:
         raise SystemExit(f"--against: the two kernels return different shapes ({tuple(normed_a.shape)} against "
                          f"{tuple(normed_b.shape)})")
@@ -334,9 +356,11 @@ def main() -> None:
             title = "One sublayer boundary, AttnRes's C++ kernel / Llama's fused add+RMSNorm"
             sides = {"Llama side": args.baseline, "AttnRes called via": args.via}
         flush = torch.zeros(args.flush_mib * 2**18) if args.cold else None
-        rows = [measure(args, names, makers(tokens, sources), tokens, sources, flush)
-                + ([largest_differences(kernels, tokens, d, sources, dtype)] if args.against else [])
-                for tokens in args.tokens for sources in args.sources]
+        rows = []
+        for tokens in args.tokens:
+            for sources in args.sources:      # the difference first: a build that refuses the arguments stops
+                differences = [largest_differences(kernels, label, tokens, d, sources, dtype)] if args.against else []
+                rows.append(measure(args, names, makers(tokens, sources), tokens, sources, flush) + differences)
     caches = f"flushed before every call ({args.flush_mib} MiB written)" if args.cold else "warm (calls back to back)"
     print(header(title, {"hidden": d, "dtype": args.dtype, **sides, "repeats": args.repeats,
                          "threads": torch.get_num_threads(), "caches": caches}))

@@ -104,8 +104,8 @@ def site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None
 
     `reuse_partial=True` says that the caller never reads `partial` again (the models: it came out of an
     earlier boundary that added an output): the CPU kernel then writes the new partial into its memory
-    instead of a fresh tensor (the returned `partial` is that tensor). The results are the same; other
-    backends ignore it.
+    instead of a fresh tensor (the returned `partial` is that tensor, when it is contiguous). The results
+    are the same; other backends ignore it.
     """
     probe = output if partial is None else partial
     if cpu_kernel_applies(probe):                                      # folds the query in C++

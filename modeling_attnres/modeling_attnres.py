@@ -223,8 +223,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         layer 0, where `partial` is the embedding); returns the new `(bank, partial, output)`, this layer's
         MLP output likewise not yet added. The sites' weights are recorded when asked."""
         # Past layer 0 the partial is the forward's own (an earlier boundary made it): its memory is reused.
-        # At layer 0 it may be the caller's embedding, passed through the first boundary unchanged.
-        owned = output is not None
+        # (At layer 0 it is None by the MLP's site: site 0 stores the embedding as block 0.) Not while
+        # checkpointing, whose recomputation reads the layer's inputs again.
+        owned = output is not None and not (self.gradient_checkpointing and self.training)
         boundary, _ = self.depth_mix(bank, partial, output, self.self_attention_res_proj,
                                      self.self_attention_res_norm, self.attn_closes_block, self.input_layernorm,
                                      output_depth_attentions, reuse_partial=owned)

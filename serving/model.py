@@ -180,7 +180,8 @@ class AttnResDecoderLayer(nn.Module):
         yet added (None at a stage's first layer); returns the bank (with any block closed here), the
         partial and this layer's MLP output, likewise not yet added."""
         # Past a stage's first layer the partial is the forward's own (an earlier boundary made it): its
-        # memory is reused. At the first it may be the embedding or the received partial, passed through.
+        # memory is reused. At a later stage's first layer it may be the received partial, which a site
+        # that closes no block passes through (on the first stage, site 0 stores the embedding).
         owned = output is not None
         b = boundary(bank, partial, output, self.self_attention_res_proj, self.self_attention_res_norm,
                      self.attn_closes_block, self.input_layernorm, owned)
@@ -256,7 +257,7 @@ class AttnResModel(nn.Module):
         if not get_pp_group().is_last_rank:
             return pack_depth(bank, partial if output is None else add_to_partial(partial, output))
         return boundary(bank, partial, output, self.output_attn_res_proj, self.output_attn_res_norm, False,
-                        self.norm).normed
+                        self.norm, output is not None).normed
 
     def start_depth(self, embeds: torch.Tensor) -> tuple[DepthBank, torch.Tensor]:
         """The depth history before layer 0: an empty bank with room for every source of the schedule,

@@ -210,18 +210,17 @@ def _boundary_first_call(name: str):
     return first_call
 
 
-# Registered once per process: the package and a Hub copy of this file may both be imported. The
-# boundary is three ops, so that each declares (and does) only its writes: the one that stores a block
-# writes the bank, the one that reuses the partial writes the new partial into it.
-# Schemas and fake implementations are defined here, the CPU kernels in C++ (`register_ops`), so a
-# compiled graph calls the C++ without a Python hop; until the extension is loaded a Python kernel for
-# any backend (CompositeExplicitAutograd, below the CPU kernel in precedence) loads it.
-if not hasattr(torch.ops.attnres, "site_boundary"):
-    _LIBRARY = torch.library.Library("attnres", "FRAGMENT")  # a registration lives as long as its Library
-    for _name, _bank, _partial, _returns, _fake in (
-            ("site_boundary", "", "", "(Tensor, Tensor)", _boundary_fake),
-            ("site_boundary_store", "(a!)", "", "Tensor", _boundary_store_fake),
-            ("site_boundary_reuse", "", "(a!)", "Tensor", _boundary_store_fake)):
+# Each op is registered once per process: the package and a Hub copy of this file (possibly an older one,
+# with fewer ops) may both be imported. The boundary is three ops, so that each declares (and does) only
+# its writes: the one that stores a block writes the bank, the one that reuses the partial writes the new
+# partial into it. Schemas and fake implementations are defined here, the CPU kernels in C++
+# (`register_ops`), so a compiled graph calls the C++ without a Python hop; until the extension is loaded
+# a Python kernel for any backend (CompositeExplicitAutograd, below the CPU kernel in precedence) loads it.
+_LIBRARY = torch.library.Library("attnres", "FRAGMENT")  # a registration lives as long as its Library
+for _name, _bank, _partial, _returns, _fake in (("site_boundary", "", "", "(Tensor, Tensor)", _boundary_fake),
+                                                ("site_boundary_store", "(a!)", "", "Tensor", _boundary_store_fake),
+                                                ("site_boundary_reuse", "", "(a!)", "Tensor", _boundary_store_fake)):
+    if not hasattr(torch.ops.attnres, _name):
         _LIBRARY.define(_name + _SIGNATURE.format(storage=f"Tensor{_bank} storage",
                                                   inv_storage=f"Tensor{_bank and '(b!)'} inv_storage",
                                                   partial=f"Tensor{_partial}? partial", returns=_returns))
@@ -263,8 +262,8 @@ def fused_site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor 
     """`depth_attention.site_boundary` (same arguments, same results up to float rounding) in one C++
     call; the block, when the site closes one, is stored in place. With `gain` (the site's key-norm
     weight), `query` is the raw pseudo-query, folded in C++. With `reuse_partial` (the caller no longer
-    reads `partial`), the new partial is written into `partial`'s memory. Forward only: call it where
-    `cpu_kernel_applies`."""
+    reads `partial`), the new partial is written into `partial`'s memory (when contiguous). Forward
+    only: call it where `cpu_kernel_applies`."""
     n = bank.num_stored
     no_room = closes_block and n >= bank.storage.shape[-2]              # the reference grows the bank
     # The ops return only what the models read, in the query's dtype: other compiled calls take the reference.

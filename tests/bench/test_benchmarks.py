@@ -395,7 +395,8 @@ def test_bench_boundary_against_another_build_times_both_and_shows_where_their_o
 
 def test_bench_boundary_finds_the_kernel_source_at_a_revision_in_either_layout(tmp_path):
     """A revision's kernel source is read from git without running the file, whether it lived in
-    `depth_attention_cpu_source.py` (KERNEL_SOURCE) or, earlier, in `depth_attention_cpu.py` (_SOURCE)."""
+    `depth_attention_cpu_source.py` (KERNEL_SOURCE) or, earlier, in `depth_attention_cpu.py` (_SOURCE);
+    a revision or file without it, or a file that is not Python, is refused naming it."""
     import bench_boundary
 
     def commit(path: str, text: str) -> None:
@@ -414,6 +415,12 @@ def test_bench_boundary_finds_the_kernel_source_at_a_revision_in_either_layout(t
     assert source == "// new // lanes void site_boundary() {}" and len(label) >= 7, label
     with pytest.raises(SystemExit, match="no-such-revision.*git found no kernel source"):
         bench_boundary.kernel_source_at("no-such-revision", str(tmp_path))
+    (tmp_path / "computed.py").write_text('KERNEL_SOURCE = open("kernel.cpp").read()\n')   # never run
+    (tmp_path / "broken.py").write_text('KERNEL_SOURCE = r"""void site_boundary() {}\n')
+    with pytest.raises(SystemExit, match="computed.py.*no KERNEL_SOURCE"):
+        bench_boundary.kernel_source_at(str(tmp_path / "computed.py"))
+    with pytest.raises(SystemExit, match="broken.py.*not Python"):
+        bench_boundary.kernel_source_at(str(tmp_path / "broken.py"))
 
 
 def test_bench_boundary_against_refuses_the_llama_options_naming_them():

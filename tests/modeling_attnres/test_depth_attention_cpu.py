@@ -10,7 +10,7 @@ import torch
 
 import modeling_attnres.depth_attention_cpu as cpu
 from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
-from modeling_attnres.depth_attention_ops import site_mix
+from modeling_attnres.depth_attention_ops import site_bank, site_mix
 from tests.oracle import naive_mix
 from tests.support.models import tiny_model
 
@@ -244,6 +244,35 @@ def test_the_model_writes_its_own_partials_in_place_and_never_the_callers_embedd
     assert in_place, [(s.index, s.closes_block) for s in sites]            # the case this test is about
     for i, received, returned in seen[:len(model.model.layers)]:
         assert (returned is received) == (i in in_place), (i, sites[2 * i], sites[2 * i + 1])
+
+
+def test_a_layer_writes_only_a_partial_that_an_earlier_boundary_of_its_forward_made():
+    """The rule both models follow (vLLM's layer has the same line): a layer given a partial and no output
+    to add (a pipeline stage's first layer, its partial received) passes it through sites that close no
+    block and never writes it; given an output too (the partial came from the layer before) it writes
+    the new partial into it; under gradient checkpointing in training, whose recomputation reads the
+    layer's inputs again, it never does."""
+    model = tiny_model(seed=6, attn_res_mode="block", attn_res_block_size=3)
+    layer, sites = model.model.layers[1], model.config.depth_sites[2:4]
+    assert not any(site.closes_block for site in sites) and sites[0].num_stored == 1
+    gen = torch.Generator().manual_seed(6)
+    embeds, received, output = (torch.randn(1, 5, model.config.hidden_size, generator=gen) for _ in range(3))
+    positions = torch.arange(5)[None]
+    kwargs = dict(position_ids=positions, position_embeddings=model.model.rotary_emb(embeds, positions))
+
+    def run(partial, output):
+        given = partial.clone()
+        with torch.no_grad():
+            bank = push_source(site_bank(embeds, model.config), embeds, model.config.rms_norm_eps)
+            _, returned, _ = layer(bank, partial, output, **kwargs)
+        return returned is partial, torch.equal(partial, given)
+
+    assert run(received, None) == (False, True)                        # passed through, then a fresh partial
+    assert run(received.clone(), output) == (True, False)              # written in place
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert run(received.clone(), output) == (False, True)
+    model.gradient_checkpointing_disable()
 
 
 def test_training_forward_keeps_the_torch_path_and_its_gradients():
