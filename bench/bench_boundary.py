@@ -162,7 +162,7 @@ def source_strings(text: str, origin: str) -> dict[str, str]:
 def git(root: str, *args: str) -> subprocess.CompletedProcess:
     """`git -C root args...`, its output captured (exit status 127 where git is not installed)."""
     try:
-        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
         return subprocess.CompletedProcess(["git"], 127, "", "git is not installed")
 
