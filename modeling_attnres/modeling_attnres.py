@@ -43,13 +43,15 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     load_balancing_loss_func,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AUTO_MAP, SEED_SITE_ALIASES, AttnResConfig
 from .depth_attention import DepthBank, SiteBoundary, acc, add_to_partial
 from .depth_attention_ops import site_bank, site_boundary
+
+logger = logging.get_logger(__name__)
 
 # The files `save_pretrained` ships next to the weights (transformers' `custom_object_save` copies this
 # module and its relative imports); `from_pretrained(..., trust_remote_code=True)` runs them.
@@ -205,6 +207,29 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.depth_mix = AttnResDepthMix()
         self.attn_closes_block = config.depth_sites[2 * layer_idx].closes_block
         self.mlp_closes_block = config.depth_sites[2 * layer_idx + 1].closes_block
+
+    def __call__(self, bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor | None,
+                 **kwargs) -> tuple[DepthBank, torch.Tensor | None, torch.Tensor]:
+        """`GradientCheckpointingLayer`'s call, with the bank crossing a checkpoint as its two tensors.
+        Reentrant checkpointing (`use_reentrant=True`) tracks gradients only through the tensors passed and
+        returned at the top level; a `DepthBank` is a tuple, so every gradient into the depth history
+        (all earlier layers and the embedding) would be dropped without a word."""
+        if not (self.gradient_checkpointing and self.training):
+            return super().__call__(bank, partial, output, **kwargs)
+        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+            logger.warning_once("Caching is incompatible with gradient checkpointing in AttnResDecoderLayer. "
+                                "Setting `use_cache=False`, `past_key_values=None`.")
+            kwargs.update(use_cache=False, past_key_values=None)   # the replay would write the cache again
+
+        def layer(storage, inv_storage, partial, output):
+            bank_out, partial, output = nn.Module.__call__(
+                self, DepthBank(storage, inv_storage, bank.num_stored), partial, output, **kwargs)
+            return bank_out.storage, bank_out.inv_storage, partial, output
+
+        storage, inv_storage, partial, output = self._gradient_checkpointing_func(
+            layer, bank.storage, bank.inv_storage, partial, output)
+        num_stored = bank.num_stored + self.attn_closes_block + self.mlp_closes_block
+        return DepthBank(storage, inv_storage, num_stored), partial, output
 
     def forward(
         self,

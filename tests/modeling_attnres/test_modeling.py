@@ -228,13 +228,14 @@ def test_gradients_flow_from_zero_init():
     assert set(grads) - nonzero == {"model.layers.0.self_attention_res_proj.weight"}   # mixes one source
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     ids = torch.randint(3, 97, (2, 8))
 
     def grads(checkpointing):
         model = tiny_model(seed=9, attn_res_block_size=2).train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         loss = model(ids, labels=ids).loss
         loss.backward()
         return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
