@@ -35,6 +35,7 @@ import ctypes
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -159,9 +160,10 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def allocated_peak_probe(model: torch.nn.Module) -> tuple[Callable[[], float], Callable[[], float]]:
-    """`(allocated, peak)`: glibc's bytes in use (MiB; torch's CPU tensors are malloc'ed), and their
-    largest value seen at the entry and exit of every module of `model` since the probe was made.
+def allocated_peak_probe(model: torch.nn.Module) -> tuple[Callable[[], float], Callable[[], float], dict]:
+    """`(allocated, peak, layer_peaks)`: glibc's bytes in use (MiB; torch's CPU tensors are malloc'ed), and
+    their largest value seen at the entry and exit of every module of `model` since the probe was made,
+    overall and (`layer_peaks`, filled as the model runs) within each decoder layer `model.layers.{i}`.
 
     RSS also counts what the allocator freed but kept, which moves a 512-token prefill's own peak by
     +-25 MiB between identical processes; the bytes in use are what the model's tensors hold."""
@@ -172,15 +174,20 @@ def allocated_peak_probe(model: torch.nn.Module) -> tuple[Callable[[], float], C
         info = libc.mallinfo2()
         return (info.uordblks + info.hblkhd) / 2**20
 
-    seen = [0.0]
+    seen, layer_peaks = [0.0], {}
 
-    def sample(*_args, **_kwargs) -> None:
-        seen[0] = max(seen[0], allocated())
+    def sample(layer: int | None) -> None:
+        now = allocated()
+        seen[0] = max(seen[0], now)
+        if layer is not None:
+            layer_peaks[layer] = max(layer_peaks.get(layer, 0.0), now)
 
-    for module in model.modules():
-        module.register_forward_pre_hook(sample)
-        module.register_forward_hook(sample)
-    return allocated, lambda: seen[0]
+    for name, module in model.named_modules():
+        found = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", name)
+        layer = int(found.group(1)) if found else None
+        module.register_forward_pre_hook(lambda *_args, layer=layer: sample(layer))
+        module.register_forward_hook(lambda *_args, layer=layer: sample(layer))
+    return allocated, lambda: seen[0], layer_peaks
 
 
 def memory_probe(args) -> dict:
@@ -200,7 +207,7 @@ def memory_probe(args) -> dict:
     run(tokens)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    allocated, allocated_peak = allocated_peak_probe(model)
+    allocated, allocated_peak, layer_peaks = allocated_peak_probe(model)
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")                                                 # VmHWM := VmRSS
     start, start_allocated = _status_mib("VmRSS"), allocated()
@@ -211,14 +218,15 @@ def memory_probe(args) -> dict:
         with torch.inference_mode():
             bank = sum(t.nbytes for t in site_bank(embeds, model.config)[:2]) / 2**20
     return {"start_mib": start, "peak_mib": _status_mib("VmHWM"), "allocated_mib": allocated_peak() - start_allocated,
-            "bank_mib": bank}
+            "layer_allocated_mib": [layer_peaks[i] - start_allocated for i in sorted(layer_peaks)], "bank_mib": bank}
 
 
-def memory_rows(args) -> list[list]:
+def memory_rows(args) -> tuple[list[list], list[list]]:
     """Per dtype: each model's probe in `--memory-probes` fresh processes, the models in rotating order;
-    the medians. The bank (its sources x prefill tokens x (hidden x the bank dtype's bytes + 4)) is the
-    memory AttnRes adds: the floor of the allocated difference."""
-    rows = []
+    the medians, and the same per decoder layer (`layer_memory_rows`). The bank (its sources x prefill
+    tokens x (hidden x the bank dtype's bytes + 4)) is the memory AttnRes adds: the floor of the
+    allocated difference."""
+    rows, layer_rows = [], []
     for dtype_name in args.dtypes:
         res = {kind: [] for kind in MODELS}
         with tempfile.TemporaryDirectory(prefix="attnres-bench-memory-") as tmp:
@@ -240,13 +248,26 @@ def memory_rows(args) -> list[list]:
                      *(f"{own[k]:.1f}" for k in MODELS), *(f"{held[k]:.1f}" for k in MODELS),
                      f"{held['attnres'] - held['llama']:+.1f}", f"{held['llama-2'] - held['llama']:+.1f}",
                      f"{res['attnres'][0]['bank_mib']:.1f}", args.memory_probes])
-    return rows
+        layer_rows += layer_memory_rows(res, dtype_name)
+    return rows, layer_rows
+
+
+def layer_memory_rows(res: dict, dtype_name: str) -> list[list]:
+    """Per decoder layer: each model's median peak of allocated bytes within the layer, over the start of
+    the prefill, and the differences to Llama's: where the allocated difference comes from."""
+    layers = {k: [statistics.median(values) for values in zip(*(r["layer_allocated_mib"] for r in v))]
+              for k, v in res.items()}
+    llama = layers["llama"]
+    return [[i, dtype_name, *(f"{layers[k][i]:.2f}" for k in MODELS), f"{layers['attnres'][i] - llama[i]:+.2f}",
+             f"{layers['llama-2'][i] - llama[i]:+.2f}"] for i in range(len(llama))]
 
 
 MEMORY_COLUMNS = ["memory", "dtype", *(f"{LABELS[k]} peak RSS MiB" for k in MODELS), "AttnRes / Llama", "A/A",
                   *(f"{LABELS[k]} prefill's own RSS MiB" for k in MODELS),
                   *(f"{LABELS[k]} prefill's own allocated MiB" for k in MODELS),
                   "allocated: AttnRes - Llama MiB", "allocated: A/A - Llama MiB", "AttnRes bank MiB", "probes"]
+LAYER_MEMORY_COLUMNS = ["layer", "dtype", *(f"{LABELS[k]} allocated at the layer's peak MiB" for k in MODELS),
+                        "AttnRes - Llama MiB", "A/A - Llama MiB"]
 CUDA_MEMORY_COLUMNS = ["memory", "dtype", *(f"{LABELS[k]} MiB" for k in MODELS),
                        *(f"{LABELS[k]} prefill's own MiB" for k in MODELS), "AttnRes / Llama", "A/A",
                        "prefill's own: AttnRes / Llama", "prefill's own: A/A"]
@@ -368,11 +389,13 @@ def main(argv=None) -> None:
                           "pairs"], rows))
     print(f"\nCPU share of the timing (process CPU time / wall time / threads; 100 % = the cores to itself): "
           f"{100 * share:.0f} %")
-    if not args.no_memory:
-        memory = cuda_memory_rows(args) if args.device.startswith("cuda") else memory_rows(args)
-        print()
-        print(markdown_table(MEMORY_COLUMNS if not args.device.startswith("cuda") else CUDA_MEMORY_COLUMNS,
-                             memory))
+    if not args.no_memory and args.device.startswith("cuda"):
+        print("\n" + markdown_table(CUDA_MEMORY_COLUMNS, cuda_memory_rows(args)))
+    elif not args.no_memory:
+        memory, layers = memory_rows(args)
+        print("\n" + markdown_table(MEMORY_COLUMNS, memory))
+        print("\n" + markdown_table(LAYER_MEMORY_COLUMNS, layers))
+        print("\n(allocated bytes within each decoder layer of the prefill, over its start: medians of the probes)")
     print(footer())
 
 

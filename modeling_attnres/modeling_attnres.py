@@ -116,13 +116,15 @@ class AttnResDepthMix(nn.Module):
 
     def forward(self, bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor | None,
                 proj: AttnResPseudoQuery, key_norm: AttnResRMSNorm, closes_block: bool, norm: AttnResRMSNorm,
-                keep_weights: bool = False, reuse_partial: bool = False) -> tuple[SiteBoundary, torch.Tensor | None]:
+                keep_weights: bool = False, reuse_partial: bool = False,
+                reference: bool = False) -> tuple[SiteBoundary, torch.Tensor | None]:
         """The boundary (`.normed` is the next sublayer's input) and, if `keep_weights`, the site's weights
         `[*tokens, num_sources]`. `reuse_partial`: `partial` came out of an earlier boundary that added an
-        output, so its memory may take the new partial (`depth_attention_ops.site_boundary`)."""
+        output, so its memory may take the new partial; `reference`: the torch reference runs, as a
+        checkpointed layer's replay will (`depth_attention_ops.site_boundary`)."""
         boundary = site_boundary(bank, partial, output, proj.weight, key_norm.weight, key_norm.variance_epsilon,
                                  closes_block, norm.weight, norm.variance_epsilon, keep_weights,
-                                 reuse_partial=reuse_partial)
+                                 reuse_partial=reuse_partial, reference=reference)
         return boundary, boundary.weights
 
 
@@ -249,11 +251,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         MLP output likewise not yet added. The sites' weights are recorded when asked."""
         # Past layer 0 the partial is the forward's own (an earlier boundary made it): its memory is reused.
         # (At layer 0 it is None by the MLP's site: site 0 stores the embedding as block 0.) Not while
-        # checkpointing, whose recomputation reads the layer's inputs again.
-        owned = output is not None and not (self.gradient_checkpointing and self.training)
+        # checkpointing, whose recomputation reads the layer's inputs again, and which differentiates the
+        # torch reference: a reentrant checkpoint's first forward (no autograd) must compute the same values.
+        checkpointed = self.gradient_checkpointing and self.training
+        owned = output is not None and not checkpointed
         boundary, _ = self.depth_mix(bank, partial, output, self.self_attention_res_proj,
                                      self.self_attention_res_norm, self.attn_closes_block, self.input_layernorm,
-                                     output_depth_attentions, reuse_partial=owned)
+                                     output_depth_attentions, reuse_partial=owned, reference=checkpointed)
         h, _ = self.self_attn(
             hidden_states=boundary.normed,
             attention_mask=attention_mask,
@@ -265,7 +269,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         )
         boundary, _ = self.depth_mix(boundary.bank, boundary.partial, h, self.mlp_res_proj, self.mlp_res_norm,
                                      self.mlp_closes_block, self.post_attention_layernorm, output_depth_attentions,
-                                     reuse_partial=owned)
+                                     reuse_partial=owned, reference=checkpointed)
         del h                                  # now in the partial: freed before the MLP's peak, as Llama frees it
         return boundary.bank, boundary.partial, self.mlp(boundary.normed)
 

@@ -204,7 +204,7 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
     assert_header(out, "repeats 2 in rotating order", "fresh random token ids every repeat",
                   "modes eager, fused-llama")
     assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
-    accuracy, timing, memory = tables(out)
+    accuracy, timing, memory, layers = tables(out)
     assert [(r["model"], r["attn_res_bank_dtype"], r["bank kept in"]) for r in accuracy] == [
         ("llama", "-", "-"), ("attnres", "float32", "float32"), ("attnres", "auto", "bfloat16")], out
     assert [(r["workload"], r["mode"]) for r in timing] == [
@@ -219,6 +219,10 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
     assert float(peak["Llama (A/A) peak RSS MiB"]) > 0 and re.fullmatch(r"\*\*\d+\.\d+\*\*", peak["A/A"]), out
     assert peak["probes"] == "2" and float(peak["AttnRes bank MiB"]) >= 0, out
     assert re.fullmatch(r"[+-]\d+\.\d", peak["allocated: AttnRes - Llama MiB"]), out
+    assert [(r["layer"], r["dtype"]) for r in layers] == [(str(i), "bfloat16") for i in range(4)], out
+    for row in layers:
+        attnres, llama = (float(row[f"{m} allocated at the layer's peak MiB"]) for m in ("AttnRes", "Llama"))
+        assert float(row["AttnRes - Llama MiB"]) == pytest.approx(attnres - llama, abs=0.011), out
 
 
 @pytest.mark.timeout(900)
