@@ -20,6 +20,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
+from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -191,6 +192,13 @@ def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
                          "tokens).")
 
 
+# The modules whose weights a layer's boundaries read without calling them (the fused boundary takes the
+# pseudo-queries and norm gains as tensors): accelerate's offloading puts an offloaded module's weights in
+# place only around its own forward, so the layer fires their hooks itself (`force_accelerate_hooks`).
+LAYER_WEIGHT_HOLDERS = ["self_attention_res_proj", "self_attention_res_norm", "input_layernorm", "mlp_res_proj",
+                        "mlp_res_norm", "post_attention_layernorm"]
+
+
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """A Llama decoder layer whose two sublayers read depth-attention mixes instead of the residual sum."""
 
@@ -233,6 +241,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         num_stored = bank.num_stored + self.attn_closes_block + self.mlp_closes_block
         return DepthBank(storage, inv_storage, num_stored), partial, output
 
+    @force_accelerate_hooks(LAYER_WEIGHT_HOLDERS)
     def forward(
         self,
         bank: DepthBank,
@@ -382,6 +391,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
+    @force_accelerate_hooks(["output_attn_res_proj", "output_attn_res_norm", "norm"])
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

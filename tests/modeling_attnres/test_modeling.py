@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from modeling_attnres import AttnResForCausalLM, AttnResModel
+from modeling_attnres import AttnResForCausalLM, AttnResModel, enable_cpu_kernel
 from tests.support.models import tiny_config, tiny_model
 
 
@@ -327,6 +327,30 @@ def test_device_map_loading(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu", dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
     assert model(torch.randint(3, 97, (1, 4))).logits.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_disk_offloaded_layers_generate_as_in_memory(tmp_path, cpu_kernel):
+    """accelerate's offloading puts a module's weights in place only around its own forward; the boundaries
+    read the pseudo-queries' and norms' weights without calling them, so the layers fire their hooks."""
+    model = tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2)
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(3, 97, (2, 6))
+    generate = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, **generate)
+    on_disk = ["model.layers.1", "model.layers.2", "model.norm", "model.output_attn_res_proj",
+               "model.output_attn_res_norm"]
+    device_map = {name: "cpu" for name in ("model.embed_tokens", "model.layers.0", "model.rotary_emb", "lm_head")}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map | dict.fromkeys(
+        on_disk, "disk"), offload_folder=tmp_path / "offload")
+    assert offloaded.model.layers[1].mlp_res_proj.weight.device.type == "meta"        # offloaded indeed
+    enable_cpu_kernel(cpu_kernel)
+    try:
+        with torch.no_grad():
+            assert torch.equal(offloaded.generate(ids, **generate), expected)
+    finally:
+        enable_cpu_kernel(True)
 
 
 def test_seed_names_load_and_resave_with_the_spec_names(tmp_path):
