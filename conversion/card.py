@@ -23,7 +23,7 @@ sublayers -> layers) by a declarative key map. No value was changed except for t
 
 def _front_matter(result: ConversionResult) -> str:
     lines = ["---", "library_name: transformers", "tags:", "- attnres", "- attention-residuals"]
-    if REPO_ID.match(result.src) and "/" in result.src:
+    if REPO_ID.match(result.src) and "/" in result.src and not Path(result.src).expanduser().exists():
         lines.append(f"base_model: {result.src}")
     return "\n".join(lines + ["---", ""])
 

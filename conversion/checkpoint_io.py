@@ -1,26 +1,30 @@
 """Reading source checkpoints (local or Hub), checking the destination, carrying side files over.
 
-Sources: transformers folders (`model.safetensors`, sharded with `model.safetensors.index.json`, or
-`pytorch_model.bin`), and plain PyTorch state-dict files (`.pt`/`.bin`/`.pth`). Safetensors files
+Sources: transformers folders (`model.safetensors` or `pytorch_model.bin`, either sharded with its
+`.index.json`), and plain PyTorch state-dict files (`.pt`/`.bin`/`.pth`). Safetensors files
 are opened lazily, one tensor at a time. Writing the output is `publish.staged_folder`'s job.
 """
 
 import json
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import ConversionError, listing
+from .publish import staged_folder
 
 SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".bin", ".pth")
 # Files the converter writes itself, or that describe the source weights, are not carried over.
-NOT_CARRIED = re.compile(r"(.*\.(safetensors|bin|pt|pth|py|msgpack|h5|ckpt)|.*\.index\.json|config\.json|README\.md)\Z")
-REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?\Z")
+NOT_CARRIED = re.compile(
+    r"(.*\.(safetensors|bin|pt|pth|py|msgpack|h5|ckpt|gguf|onnx)|.*\.index\.json|config\.json|README\.md)\Z")
+REPO_ID = re.compile(r"^(?![.-])[\w.-]+(/(?![.-])[\w.-]+)?\Z")      # the Hub's names start with neither
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
@@ -41,17 +45,7 @@ class SafetensorsSource:
             for key in handle.keys():
                 self._where[key] = path.name
         if weight_map is not None:
-            self._check_index(weight_map)
-
-    def _check_index(self, weight_map: dict[str, str]) -> None:
-        wrong = [f"{k} (index: {f}, found in: {self._where.get(k, 'no shard')})"
-                 for k, f in weight_map.items() if self._where.get(k) != f]
-        extra = [k for k in self._where if k not in weight_map]
-        if wrong or extra:
-            raise ConversionError(
-                f"{SAFE_INDEX} does not match the shards: {listing(wrong + extra, limit=8)}. "
-                "The shards and the index come from different saves; download the checkpoint again."
-            )
+            check_index(SAFE_INDEX, weight_map, self._where)
 
     def keys(self) -> Iterable[str]:
         return self._where.keys()
@@ -72,6 +66,31 @@ class SafetensorsSource:
             raise ConversionError(f"Tensor {key} in {self._where[key]} has dtype {name}; expected one of "
                                   f"{', '.join(SAFETENSORS_DTYPES)} (an unquantized checkpoint).")
         return SAFETENSORS_DTYPES[name]
+
+
+def check_index(index: str, weight_map: dict[str, str], where: dict[str, str]) -> None:
+    """Every tensor the index names is in the shard it names (`where`: tensor -> file), and no other."""
+    wrong = [f"{k} (index: {f}, found in: {where.get(k, 'no shard')})"
+             for k, f in weight_map.items() if where.get(k) != f]
+    extra = [k for k in where if k not in weight_map]
+    if wrong or extra:
+        raise ConversionError(
+            f"{index} does not match the shards: {listing(wrong + extra, limit=8)}. "
+            "The shards and the index come from different saves; download the checkpoint again."
+        )
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The `weight_map` of a sharded checkpoint's index, its shards checked present."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ConversionError(f"{index} is not a valid checkpoint index ({err}); download it again.") from err
+    missing = sorted({f for f in weight_map.values() if not (index.parent / f).exists()})
+    if missing:
+        raise ConversionError(f"{index} names shard(s) that are not in {index.parent}: {listing(missing)}. "
+                              "Download the complete checkpoint.")
+    return weight_map
 
 
 class StateDictSource:
@@ -142,25 +161,25 @@ def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], dict | No
 
 def open_checkpoint(folder: Path) -> SafetensorsSource | StateDictSource:
     """The tensors of a transformers-style folder: sharded or single safetensors, else `.bin`."""
-    index = folder / SAFE_INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ConversionError(f"{index} is not a valid safetensors index ({err}); download it again.") from err
-        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
-        if missing:
-            raise ConversionError(f"{index} names shard(s) that are not in {folder}: {listing(missing)}. "
-                                  "Download the complete checkpoint.")
+    if (folder / SAFE_INDEX).exists():
+        weight_map = read_index(folder / SAFE_INDEX)
         return SafetensorsSource([folder / f for f in sorted(set(weight_map.values()))], weight_map)
     shards = sorted(folder.glob("*.safetensors"))
     if shards:
         return SafetensorsSource(shards)
+    if (folder / BIN_INDEX).exists():
+        weight_map, state_dict, where = read_index(folder / BIN_INDEX), {}, {}
+        for name in sorted(set(weight_map.values())):
+            shard = load_state_dict_file(folder / name)[0]
+            state_dict.update(shard)
+            where.update(dict.fromkeys(shard, name))
+        check_index(BIN_INDEX, weight_map, where)
+        return StateDictSource(state_dict)
     for path in sorted(folder.iterdir()):
         if path.suffix in STATE_DICT_SUFFIXES:
             return StateDictSource(load_state_dict_file(path)[0])
     raise ConversionError(f"No weights in {folder}: expected model.safetensors, {SAFE_INDEX} with its shards, "
-                          "or a pytorch_model.bin.")
+                          f"a pytorch_model.bin, or {BIN_INDEX} with its shards.")
 
 
 def resolve_source(src: str, revision: str | None = None) -> Path:
@@ -192,6 +211,21 @@ def check_destination(dst: Path, src: Path, overwrite: bool) -> None:
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise ConversionError(f"DST {dst} exists and is not empty; pass --overwrite to replace it, "
                               "or choose another folder.")
+
+
+@contextmanager
+def staged_destination(dst: Path, overwrite: bool) -> Iterator[Path]:
+    """`publish.staged_folder` for a DST that `check_destination` accepted. Without `overwrite`, a DST that
+    another writer filled meanwhile is kept, and this run's output discarded with an error saying so."""
+    try:
+        with staged_folder(dst, overwrite=overwrite) as tmp:
+            yield tmp
+    except FileExistsError as err:
+        if err.filename != str(dst.resolve()):
+            raise
+        raise ConversionError(f"DST {dst} was filled while this run was writing (another run into the same "
+                              "folder?); it was kept as it is and this run's output discarded. Pass --overwrite "
+                              "to replace it, or choose another folder.") from err
 
 
 def side_file_roots(src: Path) -> list[Path]:

@@ -65,8 +65,12 @@ def summary(result: ConversionResult) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `attnres-convert`; returns the exit status (`errors`: 1 failed work, 2 bad usage)."""
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
     src, dst, repo, private = args.pop("src"), args.pop("dst"), args.pop("push_to_hub"), args.pop("private")
+    if private and not repo:
+        parser.error("--private applies to the Hub repo that --push-to-hub creates; add --push-to-hub REPO "
+                     "or drop --private.")
     try:
         result = convert(src, dst, ConvertOptions(**args))
         print("\n".join(summary(result)))
@@ -77,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"Pushed to {push_folder(result.dst, repo, private=private)}")
     except (ConversionError, OSError) as err:
         return fail(PROG, err)
+    except KeyboardInterrupt:                    # the staging is already removed
+        return fail(PROG, f"interrupted; nothing half-written is left at {dst}.", status=130)
     return 0
 
 

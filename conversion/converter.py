@@ -9,10 +9,12 @@ after the converted model has loaded and passed its verification; a failed verif
 """
 
 import json
+import math
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
+from transformers.utils.hub import convert_file_size_to_int
 
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 
@@ -26,12 +28,12 @@ from .checkpoint_io import (
     load_state_dict_file,
     open_checkpoint,
     resolve_source,
+    staged_destination,
 )
 from .datatypes import DTYPES, ConversionResult, ConvertOptions, Plan, VerifyReport
 from .errors import ConversionError, UsageError
 from .gguf_source import dequantised_folder, find_gguf
 from .keymap import TensorSource, TransformContext, apply_key_map, resolve_key_map, stack_experts, target_shapes
-from .publish import staged_folder
 from .seed import SEED_RULES, NormalizedSource, attnres_config_from_seed
 from .standard import (
     architecture_of,
@@ -73,6 +75,28 @@ def output_dtype(source: TensorSource, name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_options(src: str, options: ConvertOptions) -> None:
+    """Values and combinations of options that are wrong whatever SRC holds: refused before any work."""
+    if options.block_size is not None and options.block_size < 1:
+        raise UsageError(f"--block-size must be at least 1 (layers per block), got {options.block_size}.")
+    if options.block_size is not None and options.mode == "full":
+        raise UsageError("--block-size does not apply with --mode full: Full AttnRes attends over every "
+                         "sublayer output, without blocks. Drop one of the two.")
+    if options.stream_scale is not None and not (math.isfinite(options.stream_scale) and options.stream_scale > 0):
+        raise UsageError(f"--stream-scale must be a positive finite number, got {options.stream_scale}.")
+    try:
+        convert_file_size_to_int(options.max_shard_size)
+    except ValueError as err:
+        raise UsageError(f"--max-shard-size {options.max_shard_size!r} is not a size: expected a number of "
+                         "bytes or a number with a unit, such as 5GB or 500MB.") from err
+    if options.keep_failed and not options.verify:
+        raise UsageError("--keep-failed does nothing with --no-verify (nothing is verified, so nothing can "
+                         "fail); drop one of the two.")
+    if options.revision is not None and Path(src).expanduser().exists():
+        raise UsageError(f"--revision applies to a Hub repo id, but SRC {src!r} is a local path; drop "
+                         "--revision, or check out that revision locally.")
+
+
 def _reject_options(options: ConvertOptions, names: tuple[str, ...], why: str) -> None:
     """Options that do not apply to this kind of source are an error, not silently ignored."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(options, n) != getattr(ConvertOptions(), n)]
@@ -101,6 +125,12 @@ def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
     else:
         raise ConversionError(f"{path} is a bare state dict with no config: pass --config CONFIG.json (Llama "
                               "field names: hidden_size, num_attention_heads, ...) or put config.json next to it.")
+    if config.get("model_type") not in (None, "attnres"):   # a transformers model's weights: its folder converts
+        folder = path.parent if (path.parent / "config.json").exists() else None
+        raise ConversionError(f"{path} holds the weights of a {config['model_type']!r} model (its config says so), "
+                              "and a state-dict file converts only from the seed AttnRes layout. "
+                              + (f"Pass its folder, {folder}, instead." if folder is not None else
+                                 "Put it in a folder with its config.json and pass the folder."))
     return _plan_attnres_layout(StateDictSource(state_dict), config, options, None)
 
 
@@ -143,9 +173,7 @@ def choose_stream_scale(model: torch.nn.Module, ids: list[torch.Tensor], config:
     eps = 0 (every s is exact: 1 keeps the weights identical) or for float16 output (it ends at 65504
     and real residual streams have outliers in the thousands: 1, unless --stream-scale says otherwise).
     """
-    if requested is not None:
-        if not requested > 0:
-            raise UsageError(f"--stream-scale must be positive, got {requested}.")
+    if requested is not None:                  # checked positive and finite (`check_options`)
         return float(requested), {}
     if config.rms_norm_eps == 0 or dtype == torch.float16:
         return 1.0, {}
@@ -194,6 +222,7 @@ def write_model(plan: Plan, out: Path, max_shard_size: str) -> None:
 def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = None) -> ConversionResult:
     """Convert SRC (folder, Hub repo id, state-dict file or Llama GGUF file) into an AttnRes checkpoint at DST."""
     options = options or ConvertOptions()
+    check_options(str(src), options)
     src_path = resolve_source(str(src), options.revision)
     label = options.source_label or str(src)
     dst = Path(dst).expanduser().resolve()
@@ -213,7 +242,7 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
     (or `options.keep_failed`)."""
     result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
                               plan.scale_errors, origin=origin)
-    with staged_folder(dst) as tmp:            # DST was checked: absent, empty or --overwrite
+    with staged_destination(dst, options.overwrite) as tmp:      # DST was checked: absent, empty or --overwrite
         write_model(plan, tmp, options.max_shard_size)
         if plan.folder is not None:
             result.copied_files = copy_side_files(plan.folder, tmp)

@@ -165,12 +165,15 @@ def _put_in_place(staging: Path, dst: Path, overwrite: bool) -> None:
     """Rename the finished staging onto `dst` (replacing it when `overwrite`), then sync the folder."""
     _umask_modes(staging)
     fsync_tree(staging)
-    if staging.is_file() or not dst.exists():
-        if dst.exists() and not overwrite:
-            raise FileExistsError(errno.EEXIST, "destination exists", str(dst))
-        os.rename(staging, dst)                                       # atomic; replaces a file
-    elif not overwrite:
+    if staging.is_file() and dst.exists() and not overwrite:
         raise FileExistsError(errno.EEXIST, "destination exists", str(dst))
+    if staging.is_file() or not dst.exists() or not overwrite:
+        try:
+            os.rename(staging, dst)           # atomic; replaces a file or an empty folder, never a filled one
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise FileExistsError(errno.EEXIST, "destination exists and is not an empty folder", str(dst)) from err
     elif _exchange(staging, dst):                                     # staging now holds the old folder
         _remove(staging)
     else:
@@ -193,8 +196,9 @@ def _fsync_dir(folder: Path) -> None:
 def staged_folder(dst: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
     """An empty folder beside `dst` to write into; on success it becomes `dst` (see the module docstring).
 
-    With `overwrite=False` an existing `dst` (say, one a concurrent writer published first) raises
-    `FileExistsError` and is left untouched. On any error the staging is removed and `dst` unchanged.
+    With `overwrite=False` an existing `dst` other than an empty folder (say, one a concurrent writer
+    filled first) raises `FileExistsError` and is left untouched; the check and the rename are one
+    atomic step. On any error the staging is removed and `dst` unchanged.
     """
     dst = Path(dst).resolve()
     with terminations_raise(), _locked_staging(dst) as staging:

@@ -20,6 +20,7 @@ not quantizable linear layers).
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,9 +28,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_io import check_destination, copy_side_files, open_checkpoint
+import modeling_attnres
+from modeling_attnres.configuration_attnres import AUTO_MAP
+from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
+
+from .checkpoint_io import check_destination, copy_side_files, open_checkpoint, staged_destination
 from .errors import ConversionError, fail, listing
-from .publish import staged_folder
 
 # The linear layers vLLM runs through its quantizable `LinearBase` layers (qkv_proj, o_proj,
 # gate_up_proj, down_proj); nothing else in an AttnRes checkpoint is quantized.
@@ -107,10 +111,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
         raise ConversionError(f"No q/k/v/o/gate/up/down projection weights in {src} (keys such as "
                               f"{listing(list(tensors), limit=5)}); is it an AttnRes checkpoint?")
     config["quantization_config"] = quantization_config()
-    with staged_folder(dst) as tmp:            # DST was checked: absent, empty or --overwrite
+    config["auto_map"] = dict(AUTO_MAP)
+    with staged_destination(dst, overwrite) as tmp:      # DST was checked: absent, empty or --overwrite
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copy_side_files(src, tmp)
+        for name in REMOTE_CODE_FILES:          # what save_pretrained ships beside `auto_map` (remote code)
+            shutil.copyfile(Path(modeling_attnres.__file__).parent / name, tmp / name)
     return done
 
 

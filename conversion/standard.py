@@ -100,9 +100,13 @@ def default_block_size(num_layers: int, blocks: int = 8) -> int:
 
 
 def architecture_of(config: PretrainedConfig) -> str:
-    """The source's `architectures[0]`, checked against the supported list."""
+    """The source's `architectures[0]` (or, for a config saved without it, its `model_type`'s causal LM),
+    checked against the supported list."""
     archs = getattr(config, "architectures", None) or []
-    arch = archs[0] if archs else f"<none; model_type={getattr(config, 'model_type', None)!r}>"
+    model_type = getattr(config, "model_type", None)
+    by_type = {arch.removesuffix("ForCausalLM").lower(): arch for arch in SUPPORTED_ARCHITECTURES}
+    arch = archs[0] if archs else by_type.get(str(model_type).replace("_", ""),
+                                              f"<none; model_type={model_type!r}>")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(
             f"Unsupported architecture {arch}: attnres-convert converts {', '.join(SUPPORTED_ARCHITECTURES)} "

@@ -124,13 +124,77 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, llama_src, monkeypatch)
 
 
 def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
-    refuse(tmp_path, llama_src, "--stream-scale must be positive, got -2", stream_scale=-2.0)
+    refuse(tmp_path, llama_src, "--stream-scale must be a positive finite number, got -2", stream_scale=-2.0)
     refuse(tmp_path, llama_src, "--dtype 'int8' is not supported; expected auto, float32", dtype="int8")
-    refuse(tmp_path, llama_src, "attn_res_block_size is the number of transformer layers per block", block_size=0)
+    refuse(tmp_path, llama_src, r"--block-size must be at least 1 \(layers per block\), got 0", block_size=0)
     refuse(tmp_path, tmp_path / "nowhere" / "x", "is not an existing path and not a Hub repo id")
     (tmp_path / "notes.txt").write_text("x")
     refuse(tmp_path, tmp_path / "notes.txt", "is not a state dict")
     assert json.loads((llama_src / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stream-scale", "inf"], "--stream-scale must be a positive finite number, got inf"),
+    (["--stream-scale", "nan"], "--stream-scale must be a positive finite number, got nan"),
+    (["--block-size", "-2"], "--block-size must be at least 1 (layers per block), got -2"),
+    (["--mode", "full", "--block-size", "2"], "--block-size does not apply with --mode full"),
+    (["--max-shard-size", "abc"], "--max-shard-size 'abc' is not a size: expected a number of bytes"),
+    (["--keep-failed", "--no-verify"], "--keep-failed does nothing with --no-verify"),
+    (["--revision", "main"], "--revision applies to a Hub repo id, but SRC"),
+    (["--private"], "--private applies to the Hub repo that --push-to-hub creates"),
+])
+def test_wrong_options_exit_2_before_any_work(tmp_path, llama_src, capsys, monkeypatch, argv, message):
+    """A wrong option is a usage error (exit 2, one message naming it), found before SRC is even read."""
+    def read(*args):
+        raise AssertionError("SRC was read before the options were checked")
+    monkeypatch.setattr(converter_module, "resolve_source", read)
+    try:
+        status = main([str(llama_src), str(tmp_path / "dst"), *argv])
+    except SystemExit as exit:                                     # argparse's own errors
+        status = exit.code
+    assert status == 2 and message in capsys.readouterr().err
+    assert_nothing_written(tmp_path)
+
+
+def test_a_destination_filled_during_the_run_is_kept(tmp_path, llama_src, monkeypatch):
+    """DST is checked empty at the start; if another writer fills it meanwhile, this run publishes nothing
+    over it (the check and the rename are one step), unless --overwrite."""
+    dst, card = tmp_path / "dst", converter_module.write_model_card
+
+    def another_writer(folder, result):
+        dst.mkdir(exist_ok=True)
+        (dst / "theirs.txt").write_text("theirs")
+        card(folder, result)
+    monkeypatch.setattr(converter_module, "write_model_card", another_writer)
+    with pytest.raises(ConversionError, match="was filled while this run was writing"):
+        convert(llama_src, dst, ConvertOptions(verify=False))
+    assert [p.name for p in tmp_path.iterdir() if p.name != "src"] == ["dst"]         # no staging left
+    assert [p.name for p in dst.iterdir()] == ["theirs.txt"]
+    monkeypatch.undo()                                           # no other writer from here on
+    dst.joinpath("theirs.txt").unlink()                          # an empty folder is taken, as at the start
+    convert(llama_src, dst, ConvertOptions(verify=False))
+    assert (dst / "config.json").exists() and not (dst / "theirs.txt").exists()
+    convert(llama_src, dst, ConvertOptions(verify=False, overwrite=True))
+    assert (dst / "config.json").exists() and not (dst / "theirs.txt").exists()
+
+
+def test_a_transformers_models_state_dict_file_points_to_its_folder(tmp_path):
+    src = tmp_path / "src"
+    model = source_model("llama")
+    model.config.save_pretrained(src)
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    refuse(tmp_path, src / "pytorch_model.bin", f"holds the weights of a 'llama' model .* Pass its folder, {src}")
+    convert(src, tmp_path / "dst", ConvertOptions(verify=False))                   # as its folder, it converts
+
+
+def test_interrupting_the_command_prints_one_line(tmp_path, llama_src, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(converter_module, "write_model_card", interrupted)
+    assert main([str(llama_src), str(tmp_path / "dst"), "--no-verify"]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]                   # after the progress bars
+    assert last == f"attnres-convert: error: interrupted; nothing half-written is left at {tmp_path / 'dst'}."
+    assert_nothing_written(tmp_path)
 
 
 def test_side_files_are_copied_only_from_inside_the_checkpoint(tmp_path, llama_src):

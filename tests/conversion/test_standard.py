@@ -113,6 +113,35 @@ def test_cli_verifies_and_keeps_tokenizer_chat_template_and_generation_config(tm
     assert {p.stat().st_mode & 0o777 for p in dst.iterdir()} == {(tmp_path / "plain.txt").stat().st_mode & 0o777}
 
 
+def test_sharded_bin_checkpoint_converts_and_verifies(tmp_path):
+    """`pytorch_model.bin.index.json` and its shards (what transformers wrote before safetensors): every
+    shard is read, as transformers reads them."""
+    src, model = tmp_path / "src", source_model("llama", eps=1e-6)
+    model.config.save_pretrained(src)
+    state_dict, weight_map = model.state_dict(), {}
+    keys = list(state_dict)
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        shard = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({k: state_dict[k] for k in part}, src / shard)
+        weight_map |= dict.fromkeys(part, shard)
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    result = convert(src, tmp_path / "dst", ConvertOptions())
+    assert result.verification.passed, result.verification.lines()
+    assert not (tmp_path / "dst" / "pytorch_model-00001-of-00002.bin").exists()
+
+
+def test_the_card_names_a_hub_base_model_never_a_local_path(tmp_path, monkeypatch):
+    """`base_model` in the card's front matter is a Hub repo id; a local SRC that looks like one is not.
+    Weights of other formats beside the checkpoint (a GGUF export) are not carried over as side files."""
+    monkeypatch.chdir(tmp_path)
+    src = save_source(source_model("llama", eps=0.0), tmp_path / "org" / "model", shards=False)
+    (src / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    for given in ("org/model", "./org/model"):
+        convert(given, tmp_path / "dst", ConvertOptions(verify=False, overwrite=True))
+        assert "base_model" not in (tmp_path / "dst" / "README.md").read_text(), given
+    assert not (tmp_path / "dst" / "model-Q4_K_M.gguf").exists()
+
+
 def test_default_block_size_and_source_counts():
     assert [default_block_size(n) for n in (1, 8, 9, 32, 93)] == [1, 1, 2, 4, 12]
     config = AttnResConfig(num_hidden_layers=5, attn_res_block_size=2, hidden_size=32, intermediate_size=64,

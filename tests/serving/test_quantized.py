@@ -7,15 +7,19 @@ runs the int8 weights and quantizes activations) and stay near the unquantized m
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import modeling_attnres
 from attnres.conversion.errors import ConversionError
 from attnres.conversion.quantize import main as quantize_main
 from attnres.conversion.quantize import quantize_checkpoint
 from attnres.models import shipped_model_path
+from modeling_attnres.configuration_attnres import AUTO_MAP
+from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.support.engines import chosen_logprobs, free_llm, generate, make_llm
 from tests.support.reference import load_hf, teacher_forced
 
@@ -84,6 +88,15 @@ def test_weights_on_disk_are_int8_per_channel(source, quantized):
     assert group["input_activations"]["dynamic"] and group["input_activations"]["strategy"] == "token"
     assert "re:.*_res_proj$" in config["ignore"] and "lm_head" in config["ignore"]
     assert (quantized / "tokenizer.json").exists()
+
+
+def test_the_folder_ships_the_modeling_files_its_auto_map_names(quantized):
+    """As `save_pretrained` writes them: the folder loads with `trust_remote_code=True` where this package
+    is not installed."""
+    assert json.loads((quantized / "config.json").read_text())["auto_map"] == AUTO_MAP
+    package = Path(modeling_attnres.__file__).parent
+    for name in REMOTE_CODE_FILES:
+        assert (quantized / name).read_bytes() == (package / name).read_bytes(), name
 
 
 def test_refuses_a_quantized_source_and_a_non_attnres_folder(quantized, tmp_path):
