@@ -196,6 +196,11 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
         raise ConversionError(f"{src_path} has no config.json: expected a transformers checkpoint folder "
                               "(or a folder holding one .gguf or one state-dict file).")
     raw = _read_json(config_file)
+    if isinstance(raw.get("quantization_config"), dict):
+        method = raw["quantization_config"].get("quant_method", "unnamed")
+        raise ConversionError(f"{src_path} is a quantized checkpoint (quantization_config: {method}); the "
+                              "converter reads unquantized weights. Convert the unquantized model (then "
+                              "`attnres-quantize` the result, if you want int8 weights).")
     if raw.get("model_type") == "attnres":
         return _plan_attnres_layout(open_checkpoint(src_path), raw, options, src_path)
     return _plan_standard(src_path, options)

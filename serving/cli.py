@@ -48,7 +48,7 @@ import os
 import socket
 import sys
 
-from attnres.conversion.errors import ConversionError, fail
+from attnres.conversion.errors import ConversionError, UsageError, fail
 
 from .default_model import DefaultModelUnavailable
 from .defaults import resolve_default, resolve_model, served_name
@@ -275,6 +275,8 @@ def startup_problem(vllm_args: list[str]) -> str | None:
         return None
     host = option_value(vllm_args, "--host") or DEFAULT_HOST
     port = option_value(vllm_args, "--port") or "8000"
+    if not (port.isdigit() and int(port) <= 65535):          # getaddrinfo would wrap 99999 to another port
+        raise UsageError(f"--port {port!r} is not a TCP port; pass a number from 0 to 65535")
     try:
         family, _, _, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
     except (OSError, ValueError, UnicodeError):

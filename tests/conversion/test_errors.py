@@ -187,6 +187,12 @@ def test_a_transformers_models_state_dict_file_points_to_its_folder(tmp_path):
     convert(src, tmp_path / "dst", ConvertOptions(verify=False))                   # as its folder, it converts
 
 
+def test_a_quantized_checkpoint_is_named_as_such(tmp_path, llama_src):
+    edit_config(llama_src, quantization_config={"quant_method": "compressed-tensors"})
+    refuse(tmp_path, llama_src, r"is a quantized checkpoint \(quantization_config: compressed-tensors\); the "
+           "converter reads unquantized weights")
+
+
 def test_interrupting_the_command_prints_one_line(tmp_path, llama_src, capsys, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt

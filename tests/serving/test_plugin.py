@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from attnres.conversion.errors import UsageError
 from attnres.models import shipped_model_path
 from attnres.serving import cli
 from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME, SHIPPED_MODEL, SHIPPED_SERVED_NAME
@@ -214,6 +215,9 @@ def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
         assert problem.startswith(f"cannot listen on 127.0.0.1:{port}")
     assert cli.startup_problem(["serve", str(shipped_model_path()), "--port", str(port)]) is None
     assert cli.startup_problem(["serve", "--help"]) is None
+    for port in ("99999", "-1", "http"):
+        with pytest.raises(UsageError, match=f"--port '{port}' is not a TCP port; pass a number from 0 to 65535"):
+            cli.startup_problem(["serve", str(shipped_model_path()), f"--port={port}"])
     problem = cli.startup_problem(["serve", str(shipped_model_path()), "--host", "192.0.2.1"])   # TEST-NET-1
     assert "no network interface of this machine has that address; pass --host" in problem
 
