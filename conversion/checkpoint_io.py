@@ -221,7 +221,7 @@ def staged_destination(dst: Path, overwrite: bool) -> Iterator[Path]:
         with staged_folder(dst, overwrite=overwrite) as tmp:
             yield tmp
     except FileExistsError as err:
-        if err.filename != str(dst.resolve()):
+        if overwrite or err.filename != str(dst.resolve()):
             raise
         raise ConversionError(f"DST {dst} was filled while this run was writing (another run into the same "
                               "folder?); it was kept as it is and this run's output discarded. Pass --overwrite "

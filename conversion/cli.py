@@ -73,16 +73,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "or drop --private.")
     try:
         result = convert(src, dst, ConvertOptions(**args))
-        print("\n".join(summary(result)))
-        if result.verification is not None and not result.verification.passed:
-            print(f"attnres-convert: warning: verification FAILED ({'; '.join(result.verification.failures())}); "
-                  f"{result.dst} was published anyway because of --keep-failed.", file=sys.stderr)
-        if repo:
-            print(f"Pushed to {push_folder(result.dst, repo, private=private)}")
     except (ConversionError, OSError) as err:
         return fail(PROG, err)
     except KeyboardInterrupt:                    # the staging is already removed
         return fail(PROG, f"interrupted; nothing half-written is left at {dst}.", status=130)
+    print("\n".join(summary(result)))
+    if result.verification is not None and not result.verification.passed:
+        print(f"attnres-convert: warning: verification FAILED ({'; '.join(result.verification.failures())}); "
+              f"{result.dst} was published anyway because of --keep-failed.", file=sys.stderr)
+    if repo:
+        try:
+            print(f"Pushed to {push_folder(result.dst, repo, private=private)}")
+        except ConversionError as err:
+            return fail(PROG, err)
+        except KeyboardInterrupt:
+            return fail(PROG, f"interrupted while pushing; the converted checkpoint is complete at {result.dst} "
+                        f"(push it again with `hf upload {repo} {result.dst}`).", status=130)
     return 0
 
 

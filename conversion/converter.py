@@ -17,6 +17,7 @@ from transformers import AutoConfig
 from transformers.utils.hub import convert_file_size_to_int
 
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
+from modeling_attnres.configuration_attnres import is_depth_parameter
 
 from .card import write_model_card
 from .checkpoint_io import (
@@ -85,10 +86,12 @@ def check_options(src: str, options: ConvertOptions) -> None:
     if options.stream_scale is not None and not (math.isfinite(options.stream_scale) and options.stream_scale > 0):
         raise UsageError(f"--stream-scale must be a positive finite number, got {options.stream_scale}.")
     try:
-        convert_file_size_to_int(options.max_shard_size)
-    except ValueError as err:
-        raise UsageError(f"--max-shard-size {options.max_shard_size!r} is not a size: expected a number of "
-                         "bytes or a number with a unit, such as 5GB or 500MB.") from err
+        size = convert_file_size_to_int(options.max_shard_size)
+    except ValueError:
+        size = None
+    if size is None or size <= 0:
+        raise UsageError(f"--max-shard-size {options.max_shard_size!r} is not a size: expected a positive number "
+                         "with a unit, such as 5GB or 500MB.")
     if options.keep_failed and not options.verify:
         raise UsageError("--keep-failed does nothing with --no-verify (nothing is verified, so nothing can "
                          "fail); drop one of the two.")
@@ -125,12 +128,13 @@ def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
     else:
         raise ConversionError(f"{path} is a bare state dict with no config: pass --config CONFIG.json (Llama "
                               "field names: hidden_size, num_attention_heads, ...) or put config.json next to it.")
-    if config.get("model_type") not in (None, "attnres"):   # a transformers model's weights: its folder converts
-        folder = path.parent if (path.parent / "config.json").exists() else None
-        raise ConversionError(f"{path} holds the weights of a {config['model_type']!r} model (its config says so), "
-                              "and a state-dict file converts only from the seed AttnRes layout. "
-                              + (f"Pass its folder, {folder}, instead." if folder is not None else
-                                 "Put it in a folder with its config.json and pass the folder."))
+    if not any(is_depth_parameter(key) for key in state_dict):     # a transformers model's weights, not a seed's
+        folder = path.parent if options.config_path is None and (path.parent / "config.json").exists() else None
+        raise ConversionError(f"{path} holds no depth-attention parameters (*_res_proj / *_res_norm): it is not an "
+                              "AttnRes checkpoint, and a state-dict file converts only from the seed AttnRes "
+                              "layout. " + (f"Convert its folder, {folder}, instead." if folder is not None else
+                                            "Save it as a transformers checkpoint folder (with its config.json) "
+                                            "and convert the folder."))
     return _plan_attnres_layout(StateDictSource(state_dict), config, options, None)
 
 

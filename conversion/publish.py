@@ -173,7 +173,8 @@ def _put_in_place(staging: Path, dst: Path, overwrite: bool) -> None:
         except OSError as err:
             if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise
-            raise FileExistsError(errno.EEXIST, "destination exists and is not an empty folder", str(dst)) from err
+            what = "exists" if staging.is_file() else "exists and is not an empty folder"
+            raise FileExistsError(errno.EEXIST, f"destination {what}", str(dst)) from err
     elif _exchange(staging, dst):                                     # staging now holds the old folder
         _remove(staging)
     else:

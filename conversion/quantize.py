@@ -132,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = quantize_checkpoint(args.src, args.dst, overwrite=args.overwrite)
     except (ConversionError, OSError) as err:
         return fail("attnres-quantize", err)
+    except KeyboardInterrupt:                    # the staging is already removed
+        return fail("attnres-quantize", f"interrupted; nothing half-written is left at {args.dst}.", status=130)
     print(f"Quantized {len(done)} linear weights to int8 (W8A8, compressed-tensors) -> {args.dst}")
     return 0
 

@@ -41,8 +41,10 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 `attnres-vllm ARGS` is vLLM's own command line (`attnres-vllm bench serve ...`) with the same fix.
 """
 
+import contextlib
 import errno
 import importlib.metadata
+import io
 import json
 import os
 import socket
@@ -140,6 +142,7 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         return args
     if has_option(args, "-h", "--help"):
         return ["serve", *args]                                        # no model is generated for help
+    check_port(args)
     model, args = take_model(args)
     implied = model is None
     if implied:
@@ -168,33 +171,54 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
     return ["serve", path, *args, *extra]
 
 
+def check_port(args: list[str]) -> None:
+    """A `--port` that is not a TCP port is a usage error, found before any model is built (vLLM would fail
+    on it with a traceback, and `getaddrinfo` would wrap 99999 to another port)."""
+    port = option_value(args, "--port")
+    if port is not None and not (port.isdigit() and int(port) <= 65535):
+        raise UsageError(f"--port {port!r} is not a TCP port; pass a number from 0 to 65535")
+
+
 def take_model(args: list[str]) -> tuple[str | None, list[str]]:
-    """The model `vllm serve args` names (its positional argument wherever it stands, or `--model`) and
-    the other arguments; `(None, args)` when none is named."""
+    """The model `vllm serve args` names and the other arguments (`(None, args)` when none is named), as
+    vLLM reads them: the first argument, else the first `--model`, else the positional among options."""
     if args and not args[0].startswith("-"):
         return args[0], args[1:]
-    if has_option(args, "--model"):
-        rest = [a for i, a in enumerate(args) if not a.startswith("--model=") and a != "--model"
-                and not (i > 0 and args[i - 1] == "--model")]
-        return option_value(args, "--model"), rest
+    if sum(a == "--model" or a.startswith("--model=") for a in args) > 1:
+        raise UsageError("--model is given more than once; name the model once")
+    for i, arg in enumerate(args):
+        if arg == "--model" or arg.startswith("--model="):
+            if arg == "--model" and i + 1 == len(args):
+                raise UsageError("--model needs a value: a checkpoint folder, a Hub repo id or a builtin: name")
+            value, end = (args[i + 1], i + 2) if arg == "--model" else (arg.removeprefix("--model="), i + 1)
+            return value, args[:i] + args[end:]
     if all(a.startswith("-") for a in args):
         return None, args
     model = vllm_model_tag(args)
-    if model is None:
-        return None, args
-    where = len(args) - 1 - args[::-1].index(model)
-    return model, args[:where] + args[where + 1:]
+    for i in reversed([i for i, arg in enumerate(args) if arg == model]):
+        rest = args[:i - 1] + args[i + 1:] if i > 0 and args[i - 1] == "--" else args[:i] + args[i + 1:]
+        with contextlib.suppress(UsageError):                          # that one was an option's value
+            if vllm_model_tag(rest) is None:
+                return model, rest
+    return None, args
 
 
 def vllm_model_tag(args: list[str]) -> str | None:
-    """The positional model of `vllm serve args` whose first argument is an option, as vLLM's own parser
-    reads it: only vLLM knows which of its options take a value (`--port 8000 MODEL` against
-    `--enforce-eager MODEL`). Imports vLLM's CLI, which the server imports next anyway."""
+    """The positional model of `vllm serve args`, read by vLLM's own parser (only vLLM knows which of its
+    options take a value: `--port 8000 MODEL` against `--enforce-eager MODEL`; it also reads `--max_model_len`
+    and `-O 2` its own way). A command line it refuses is refused here, with its message. Imports vLLM's
+    CLI, which the server imports next anyway."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     serve = ServeSubcommand().subparser_init(FlexibleArgumentParser(prog="vllm").add_subparsers())
-    return serve.parse_known_args(args)[0].model_tag
+    messages = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(messages):
+            return serve.parse_args(args).model_tag
+    except SystemExit:
+        message = messages.getvalue().strip().splitlines()[-1:] or ["the command line is not valid"]
+        raise UsageError(message[0].split(": error: ", 1)[-1]) from None
 
 
 def kernel_setting(vllm_args: list[str], cpu: bool, env: dict | None = None) -> str | None:
@@ -275,8 +299,6 @@ def startup_problem(vllm_args: list[str]) -> str | None:
         return None
     host = option_value(vllm_args, "--host") or DEFAULT_HOST
     port = option_value(vllm_args, "--port") or "8000"
-    if not (port.isdigit() and int(port) <= 65535):          # getaddrinfo would wrap 99999 to another port
-        raise UsageError(f"--port {port!r} is not a TCP port; pass a number from 0 to 65535")
     try:
         family, _, _, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
     except (OSError, ValueError, UnicodeError):

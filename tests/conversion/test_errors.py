@@ -138,7 +138,8 @@ def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
     (["--stream-scale", "nan"], "--stream-scale must be a positive finite number, got nan"),
     (["--block-size", "-2"], "--block-size must be at least 1 (layers per block), got -2"),
     (["--mode", "full", "--block-size", "2"], "--block-size does not apply with --mode full"),
-    (["--max-shard-size", "abc"], "--max-shard-size 'abc' is not a size: expected a number of bytes"),
+    (["--max-shard-size", "abc"], "--max-shard-size 'abc' is not a size: expected a positive number with a unit"),
+    (["--max-shard-size", "0GB"], "--max-shard-size '0GB' is not a size"),
     (["--keep-failed", "--no-verify"], "--keep-failed does nothing with --no-verify"),
     (["--revision", "main"], "--revision applies to a Hub repo id, but SRC"),
     (["--private"], "--private applies to the Hub repo that --push-to-hub creates"),
@@ -183,7 +184,8 @@ def test_a_transformers_models_state_dict_file_points_to_its_folder(tmp_path):
     model = source_model("llama")
     model.config.save_pretrained(src)
     torch.save(model.state_dict(), src / "pytorch_model.bin")
-    refuse(tmp_path, src / "pytorch_model.bin", f"holds the weights of a 'llama' model .* Pass its folder, {src}")
+    refuse(tmp_path, src / "pytorch_model.bin", r"holds no depth-attention parameters \(\*_res_proj / \*_res_norm\): "
+           f"it is not an AttnRes checkpoint, .* Convert its folder, {src}, instead")
     convert(src, tmp_path / "dst", ConvertOptions(verify=False))                   # as its folder, it converts
 
 

@@ -30,8 +30,10 @@ def seed_state_dict(model, training_script: bool = True) -> dict[str, torch.Tens
     return out
 
 
-def seed_config(model, sublayers: int) -> dict:
+def seed_config(model, sublayers: int, model_type: str | None = None) -> dict:
+    """A training script's config; one made from a `LlamaConfig.to_dict()` says `model_type: llama`."""
     fields = {k: getattr(model.config, k) for k in TINY} | {"rms_norm_eps": model.config.rms_norm_eps}
+    fields |= {"model_type": model_type} if model_type else {}
     return fields | {"block_size": sublayers, "rope_parameters": model.config.rope_parameters}
 
 
@@ -42,7 +44,8 @@ def test_seed_state_dict_matches_oracle(tmp_path, sublayers, mode, tied):
         overrides["attn_res_block_size"] = sublayers // 2
     model = tiny_model(seed=7, **overrides)
     path = tmp_path / "ckpt.pt"
-    torch.save({"model": seed_state_dict(model), "config": seed_config(model, sublayers), "step": 10}, path)
+    config = seed_config(model, sublayers, model_type="llama" if tied else None)
+    torch.save({"model": seed_state_dict(model), "config": config, "step": 10}, path)
     result = convert(path, tmp_path / "dst", ConvertOptions(verify=False))
     assert (result.layout, result.config.attn_res_mode) == ("attnres", mode)
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float64).eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from modeling_attnres import AttnResForCausalLM, AttnResModel, enable_cpu_kernel
+from modeling_attnres import AttnResForCausalLM, AttnResModel, depth_attention_cpu
 from tests.support.models import tiny_config, tiny_model
 
 
@@ -330,9 +330,10 @@ def test_device_map_loading(tmp_path):
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False])
-def test_disk_offloaded_layers_generate_as_in_memory(tmp_path, cpu_kernel):
+def test_disk_offloaded_layers_generate_as_in_memory(tmp_path, cpu_kernel, monkeypatch):
     """accelerate's offloading puts a module's weights in place only around its own forward; the boundaries
     read the pseudo-queries' and norms' weights without calling them, so the layers fire their hooks."""
+    monkeypatch.setattr(depth_attention_cpu, "_enabled", cpu_kernel and depth_attention_cpu._enabled)
     model = tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2)
     model.save_pretrained(tmp_path / "model")
     ids = torch.randint(3, 97, (2, 6))
@@ -345,12 +346,8 @@ def test_disk_offloaded_layers_generate_as_in_memory(tmp_path, cpu_kernel):
     offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map | dict.fromkeys(
         on_disk, "disk"), offload_folder=tmp_path / "offload")
     assert offloaded.model.layers[1].mlp_res_proj.weight.device.type == "meta"        # offloaded indeed
-    enable_cpu_kernel(cpu_kernel)
-    try:
-        with torch.no_grad():
-            assert torch.equal(offloaded.generate(ids, **generate), expected)
-    finally:
-        enable_cpu_kernel(True)
+    with torch.no_grad():
+        assert torch.equal(offloaded.generate(ids, **generate), expected)
 
 
 def test_seed_names_load_and_resave_with_the_spec_names(tmp_path):

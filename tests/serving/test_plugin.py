@@ -2,7 +2,9 @@
 registration, the `attnres-serve` command line, the model's interface declarations, and `modeling_attnres`
 importable where vLLM is not installed."""
 
+import errno
 import importlib.metadata
+import re
 import socket
 import subprocess
 import sys
@@ -174,14 +176,19 @@ def test_a_public_bind_without_a_key_is_warned_about(args, env, warned):
         assert "without an API key" in warning and "--api-key" in warning
 
 
-@pytest.mark.parametrize("given", [
-    ["--port", "9000", SHIPPED_MODEL], ["--enforce-eager", SHIPPED_MODEL, "--port", "9000"],
-    ["--model", SHIPPED_MODEL, "--port", "9000"], [f"--model={SHIPPED_MODEL}", "--port", "9000"]])
-def test_the_model_is_found_wherever_vllm_serve_takes_it(given):
-    """As `vllm serve` reads its command line (its own parser decides which options take a value): a model
-    after options, or in `--model`, is resolved and named as a first positional model is."""
+@pytest.mark.parametrize("given, rest", [
+    (["--port", "9000", SHIPPED_MODEL], ["--port", "9000"]),
+    (["--enforce-eager", SHIPPED_MODEL, "--port", "9000"], ["--enforce-eager", "--port", "9000"]),
+    (["--max_model_len", "64", "-O", "0", SHIPPED_MODEL], ["--max_model_len", "64", "-O", "0"]),
+    (["--port", "9000", "--", SHIPPED_MODEL], ["--port", "9000"]),
+    (["--tokenizer", SHIPPED_MODEL, SHIPPED_MODEL], ["--tokenizer", SHIPPED_MODEL]),      # the value stays
+    (["--model", SHIPPED_MODEL, "--port", "9000"], ["--port", "9000"]),
+    ([f"--model={SHIPPED_MODEL}", "--port", "9000"], ["--port", "9000"])])
+def test_the_model_is_found_wherever_vllm_serve_takes_it(given, rest):
+    """As `vllm serve` reads its command line (its own parser decides which options take a value, and reads
+    underscores and `-O 0` its way): a model after options, or in `--model`, is resolved and named as a
+    first positional model is."""
     argv = cli.serve_argv(given, cpu=False, env={})
-    rest = [a for a in given if SHIPPED_MODEL not in a and a != "--model"]
     assert argv == ["serve", str(shipped_model_path()), *rest, "--served-model-name", SHIPPED_SERVED_NAME,
                     "--host", "127.0.0.1", *GRACE, *ALWAYS]
 
@@ -215,11 +222,36 @@ def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
         assert problem.startswith(f"cannot listen on 127.0.0.1:{port}")
     assert cli.startup_problem(["serve", str(shipped_model_path()), "--port", str(port)]) is None
     assert cli.startup_problem(["serve", "--help"]) is None
-    for port in ("99999", "-1", "http"):
-        with pytest.raises(UsageError, match=f"--port '{port}' is not a TCP port; pass a number from 0 to 65535"):
-            cli.startup_problem(["serve", str(shipped_model_path()), f"--port={port}"])
+
+
+
+def test_an_address_this_machine_does_not_have_is_named_as_such(monkeypatch):
+    def not_here(self, address):
+        raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+    monkeypatch.setattr(socket.socket, "bind", not_here)
     problem = cli.startup_problem(["serve", str(shipped_model_path()), "--host", "192.0.2.1"])   # TEST-NET-1
     assert "no network interface of this machine has that address; pass --host" in problem
+
+
+def refuse_to_build(*args):
+    raise AssertionError("a model was resolved before the command line was checked")
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_that_is_not_one_is_refused_before_any_model_is_built(port, monkeypatch):
+    monkeypatch.setattr(cli, "resolve_default", refuse_to_build)
+    with pytest.raises(UsageError, match=f"--port '{port}' is not a TCP port; pass a number from 0 to 65535"):
+        cli.serve_argv([f"--port={port}"], cpu=True, env={})
+
+
+@pytest.mark.parametrize("given, message", [
+    (["--model", "a", "--model", "b"], "--model is given more than once; name the model once"),
+    (["--port", "9000", "--model"], "--model needs a value"),
+    (["--port", "9000", "m", "--max-model-len"], "argument --max-model-len: expected one argument")])
+def test_a_command_line_vllm_would_refuse_is_refused_before_any_model_is_built(given, message, monkeypatch):
+    monkeypatch.setattr(cli, "resolve_default", refuse_to_build)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        cli.serve_argv(given, cpu=True, env={})
 
 
 def test_a_checkpoint_that_cannot_be_served_is_refused_before_allocating(checkpoints):
