@@ -53,7 +53,7 @@ import sys
 from attnres.conversion.errors import ConversionError, UsageError, fail
 
 from .default_model import DefaultModelUnavailable
-from .defaults import resolve_default, resolve_model, served_name
+from .defaults import BUILTIN_MODELS, resolve_default, resolve_model, served_name
 
 PROG = "attnres-serve"
 DEFAULT_HOST = "127.0.0.1"
@@ -316,6 +316,15 @@ def startup_problem(vllm_args: list[str]) -> str | None:
     return None
 
 
+def help_preface() -> str:
+    """What `attnres-serve --help` prints before vLLM's own help (whose usage line says `vllm serve`)."""
+    return (f"usage: {PROG} [MODEL] [vllm serve options]\n\nvLLM's OpenAI-compatible server for AttnRes models. "
+            f"MODEL: a checkpoint folder, a Hub repo id or a built-in model ({', '.join(BUILTIN_MODELS)}; the "
+            f"first is the default). Added unless given: --host {DEFAULT_HOST}, --shutdown-timeout "
+            f"{SHUTDOWN_TIMEOUT}, --enable-tokenizer-info-endpoint, and on CPUs --kv-cache-memory-bytes "
+            f"{CPU_KV_CACHE_BYTES}. vLLM's options follow (read `vllm serve` as `{PROG}`).\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `attnres-serve`: build the `vllm serve` command line and run vLLM's CLI. Errors
     found before vLLM starts end it in one line (`attnres.conversion.errors`: 1 failed, 2 bad usage)."""
@@ -331,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(fail(PROG, " ".join(str(err).split()), getattr(err, "exit_status", 1))) from None
     # Read at import by the engine's processes (vLLM's CPU platform starts them by spawn).
     os.environ.update(server_environment(sys.argv[1:], cpu))
+    if has_option(args, "-h", "--help"):
+        print(help_preface(), flush=True)
     warning = exposure_warning(sys.argv[1:])
     if warning:
         print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)

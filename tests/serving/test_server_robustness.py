@@ -124,6 +124,14 @@ def test_unknown_model_path_is_one_line_and_nonzero(tmp_path):
     assert_one_line_error(run_serve(str(empty), "--port", "0"), str(empty), "config.json")
 
 
+def test_help_names_this_command_and_its_models_before_vllms_options():
+    done = run_serve("--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("usage: attnres-serve [MODEL] [vllm serve options]\n"), done.stdout[:500]
+    assert "builtin:smollm2-135m-attnres" in done.stdout.split("usage: vllm serve")[0], done.stdout[:2000]
+    assert "usage: vllm serve" in done.stdout                                        # vLLM's own help follows
+
+
 def test_busy_port_is_one_line_and_nonzero():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.bind(("127.0.0.1", 0))
