@@ -9,8 +9,10 @@ The depth history (stored blocks and the running partial) is a local of `forward
 mixes vectors of one token position, so decoding needs nothing beyond the ordinary KV cache.
 """
 
+import functools
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,6 +201,22 @@ LAYER_WEIGHT_HOLDERS = ["self_attention_res_proj", "self_attention_res_norm", "i
                         "mlp_res_norm", "post_attention_layernorm"]
 
 
+def fire_offload_hooks(holders: list[str]) -> Callable:
+    """transformers' `force_accelerate_hooks(holders)`, which a compiled graph runs only where a holder has
+    a hook: traced, its attribute lookups (each a walk of the module's dicts) became ~35 guards per layer,
+    all checked before every compiled step of a model without offloading."""
+    def decorator(forward: Callable) -> Callable:
+        hooked = force_accelerate_hooks(holders)(forward)
+
+        @functools.wraps(forward)
+        def wrapped(self, *args, **kwargs):
+            if torch.compiler.is_compiling() and not any("_hf_hook" in vars(getattr(self, name)) for name in holders):
+                return forward(self, *args, **kwargs)
+            return hooked(self, *args, **kwargs)
+        return wrapped
+    return decorator
+
+
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """A Llama decoder layer whose two sublayers read depth-attention mixes instead of the residual sum."""
 
@@ -241,7 +259,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         num_stored = bank.num_stored + self.attn_closes_block + self.mlp_closes_block
         return DepthBank(storage, inv_storage, num_stored), partial, output
 
-    @force_accelerate_hooks(LAYER_WEIGHT_HOLDERS)
+    @fire_offload_hooks(LAYER_WEIGHT_HOLDERS)
     def forward(
         self,
         bank: DepthBank,
@@ -391,7 +409,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
-    @force_accelerate_hooks(["output_attn_res_proj", "output_attn_res_norm", "norm"])
+    @fire_offload_hooks(["output_attn_res_proj", "output_attn_res_norm", "norm"])
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -348,6 +348,27 @@ def test_disk_offloaded_layers_generate_as_in_memory(tmp_path, cpu_kernel, monke
     assert offloaded.model.layers[1].mlp_res_proj.weight.device.type == "meta"        # offloaded indeed
     with torch.no_grad():
         assert torch.equal(offloaded.generate(ids, **generate), expected)
+        compiled = torch.compile(offloaded.forward, backend="eager")      # the hooks also fire in a graph
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+
+
+def test_compiled_forward_is_not_guarded_on_offloading_hooks():
+    """The layers fire accelerate's hooks in eager code only: traced by Dynamo, their lookups of `_hf_hook`
+    became guards (one per weight holder and layer) that every compiled step checks before it runs."""
+    model = tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2)
+    guards = []
+
+    def record(entries):
+        guards.extend(str(entry.orig_guard) for entry in entries)
+        return [True] * len(entries)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend="eager", fullgraph=True, options={"guard_filter_fn": record})
+    with torch.no_grad():
+        compiled(torch.randint(3, 97, (1, 5)))
+    assert guards, "Dynamo installed no guards: the forward was not traced"
+    assert [guard for guard in guards if "_hf_hook" in guard] == []
+    assert any("mlp_res_proj" in guard for guard in guards)     # the holders themselves are still traced
 
 
 def test_seed_names_load_and_resave_with_the_spec_names(tmp_path):
