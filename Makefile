@@ -44,10 +44,10 @@ BENCH_REAL ?= --smollm2
 # batches 1-256, and 1-8 at a 4k context); make serve's compilation; 12 pairs over both build orders.
 BENCH_VLLM ?= --dtype bfloat16 --compile dynamo --prefill-tokens 1024 --decode-batches 1 32 --long-decode-batches 1 \
     --long-context 1024 --new-tokens 32 --kv-cache-bytes 1073741824
-# `make bench` takes about 80 minutes on 2 idle cores (measured step by step: about 12 for the first
+# `make bench` takes about 85 minutes on 2 idle cores (measured step by step: about 12 for the first
 # line, 25 for the second, 12 for the third, 15 for the fourth, 10 for the fifth, 5 for the sixth, 1 for
-# the last); a first run adds the build of the SmolLM2 pair (about 4 minutes). Every table names its
-# settings.
+# the seventh, 4 for the last); a first run adds the build of the SmolLM2 pair (about 4 minutes). Every
+# table names its settings.
 
 bench: install
 	$(PY) bench/bench_transformers.py $(BENCH_REAL) --accuracy --dtypes bfloat16 --modes eager torch-path \
@@ -60,6 +60,7 @@ bench: install
 	$(PY) bench/bench_depth.py --hidden-size 576 --num-hidden-layers 8 --block-size 4 --dtype bfloat16 \
 		--tokens 1 512 --modes eager cpu-kernel piecewise --repeats 3 --work 262144
 	$(PY) bench/bench_boundary.py --baseline vllm
+	$(PY) bench/profile_step.py
 
 # The default model against its source Llama and the exact conversion, with lm-evaluation-harness on local
 # tasks made from pinned registry packages (docs/evaluation.md); the table and verdict go to stdout and

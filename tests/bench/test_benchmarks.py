@@ -225,6 +225,32 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
         assert float(row["AttnRes - Llama MiB"]) == pytest.approx(attnres - llama, abs=0.011), out
 
 
+@pytest.mark.timeout(600)
+def test_profile_step_splits_a_compiled_step_into_parts_for_both_models_and_the_aa_control():
+    """Every part of a compiled decoding step is found in each model's profile (the matrix products, the
+    residual-path kernels: Llama's add+norm, AttnRes's boundaries; the wrapper; the guards), and the
+    differences are those of the columns."""
+    out = run("profile_step.py", *TINY, "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "3",
+              "--repeats", "2", timeout=540)
+    assert_header(out, "dtype bfloat16", "2 x 3 new tokens", "Inductor's code", "2 profiled calls a model")
+    (parts,) = tables(out)
+    names = [row["part of a step (ms a new token, profiled)"] for row in parts]
+    assert names == ["matrix products", "attention", "residual-path kernels", "other generated kernels",
+                     "the graph's Python wrapper", "Dynamo's guard checks",
+                     "the rest (generate's loop, cache, sampling)", "whole call"], out
+    for row in parts:
+        values = [float(row[m]) for m in ("AttnRes", "Llama", "Llama (A/A)")]
+        assert all(math.isfinite(v) and v >= 0 for v in values), row
+        assert float(row["AttnRes - Llama"]) == pytest.approx(values[0] - values[1], abs=0.0011), row
+        assert float(row["A/A: Llama (A/A) - Llama"]) == pytest.approx(values[2] - values[1], abs=0.0011), row
+    found = {row["part of a step (ms a new token, profiled)"]: row for row in parts}
+    for name in ("matrix products", "residual-path kernels", "the graph's Python wrapper", "Dynamo's guard checks"):
+        assert all(float(found[name][m]) > 0 for m in ("AttnRes", "Llama", "Llama (A/A)")), (name, out)
+    whole = {m: float(found["whole call"][m]) for m in ("AttnRes", "Llama", "Llama (A/A)")}
+    for m, total in whole.items():      # the parts are the profiled call's own times: they cannot exceed it
+        assert sum(float(row[m]) for row in parts[:-1]) <= total * 1.05, (m, out)
+
+
 @pytest.mark.timeout(900)
 def test_bench_vllm_reports_each_ratio_beside_its_aa_control_over_both_build_orders():
     out = run("bench_vllm.py", *TINY, "--dtype", "float32", "--compile", "eager", "--prefill-tokens", "32",
