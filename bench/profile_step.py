@@ -9,10 +9,14 @@ A/A control) decode with `generate()` compiled as transformers' recipe does it (
 a static cache and `compile_config`), each call under `torch.profiler` with Inductor's per-kernel
 profiling on, in rotating order after two warm-up calls a model. The table gives, per model, the median
 over `--repeats` calls of the milliseconds each part takes per new token (a call's time over its new
-tokens; the prompt's prefill, which transformers leaves uncompiled, is in "the rest"), and each part's
-AttnRes - Llama and A/A - Llama differences (the latter: what separates identical models, the error
-bar). The profiler adds its own cost to every part: compare the columns, not these totals with
-unprofiled timings (`bench_transformers.py` gives those).
+tokens), and each part's AttnRes - Llama and A/A - Llama differences (the latter: what separates
+identical models, the error bar). A part is the profiler events' own times (children excluded); the
+prompt's prefill, which transformers leaves uncompiled, adds its matrix products and attention to
+those parts and its eager boundaries (AttnRes's C++ kernel, called directly) to the time outside any
+event, with the Python of `generate()`'s loop. Generated kernels are told apart by name: those with a
+`rsqrt` (an RMSNorm) are the residual path's (Llama's add+norm, AttnRes's boundaries; with `qk_norm`
+also the attention's query/key norms). The profiler adds its own cost to every part: compare the
+columns, not these totals with unprofiled timings (`bench_transformers.py` gives those).
 """
 
 import argparse
@@ -41,7 +45,8 @@ from common import (  # noqa: E402
 
 # The parts of a step, in table order; `part` puts each profiler event in exactly one of them.
 PARTS = ("matrix products", "attention", "residual-path kernels", "other generated kernels",
-         "the graph's Python wrapper", "Dynamo's guard checks", "the rest (generate's loop, cache, sampling)")
+         "the graph's Python wrapper", "Dynamo's guard checks", "other recorded ops (cache, sampling, ...)")
+OUTSIDE = "outside any event (generate's Python, direct kernel calls)"      # the whole call less the parts
 
 
 def part(name: str) -> str:
@@ -70,13 +75,13 @@ def profiled_step_ms(run, ids: torch.Tensor, steps: int) -> dict[str, float]:
     parts = dict.fromkeys(PARTS, 0.0)
     for event in prof.key_averages():
         parts[part(event.key)] += event.self_cpu_time_total / 1e3 / steps
-    return {**parts, "whole call": whole}
+    return {**parts, OUTSIDE: whole - sum(parts.values()), "whole call": whole}
 
 
 def rows(runs: list[dict[str, dict[str, float]]]) -> list[list]:
     """Per part: each model's median, then AttnRes - Llama and A/A - Llama (medians of the per-call values)."""
     table = []
-    for name in (*PARTS, "whole call"):
+    for name in (*PARTS, OUTSIDE, "whole call"):
         medians = [statistics.median(run[kind][name] for run in runs) for kind in MODELS]
         table.append([name, *(f"{m:.3f}" for m in medians), f"{medians[0] - medians[1]:+.3f}",
                       f"{medians[2] - medians[1]:+.3f}"])
@@ -94,9 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=6, help="profiled calls a model (a multiple of 6 is balanced)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
-    for name in ("batch", "prompt_tokens", "new_tokens", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    for name, least in (("batch", 1), ("prompt_tokens", 1), ("new_tokens", 2), ("repeats", 1), ("threads", 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least} (the first new token comes from the "
+                         f"uncompiled prefill), got {getattr(args, name)}." if name == "new_tokens" else
+                         f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}.")
     check_model_arguments(parser, args)
     args.device, args.bank_dtype = "cpu", None
     return args

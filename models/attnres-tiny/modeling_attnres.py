@@ -196,15 +196,17 @@ def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
 
 # The modules whose weights a layer's boundaries read without calling them (the fused boundary takes the
 # pseudo-queries and norm gains as tensors): accelerate's offloading puts an offloaded module's weights in
-# place only around its own forward, so the layer fires their hooks itself (`force_accelerate_hooks`).
+# place only around its own forward, so the layer fires their hooks itself (`fire_offload_hooks`).
 LAYER_WEIGHT_HOLDERS = ["self_attention_res_proj", "self_attention_res_norm", "input_layernorm", "mlp_res_proj",
                         "mlp_res_norm", "post_attention_layernorm"]
 
 
 def fire_offload_hooks(holders: list[str]) -> Callable:
     """transformers' `force_accelerate_hooks(holders)`, which a compiled graph runs only where a holder has
-    a hook: traced, its attribute lookups (each a walk of the module's dicts) became ~35 guards per layer,
-    all checked before every compiled step of a model without offloading."""
+    a hook in its own `__dict__` (where accelerate's `add_hook_to_module` puts it): traced, its attribute
+    lookups (each a walk of the module's dicts) became ~35 guards per layer, all checked before every
+    compiled step of a model without offloading. Dynamo does not guard that dict check; a graph traced
+    before offloading is retraced anyway, since offloading moves the weights it guards on (tested)."""
     def decorator(forward: Callable) -> Callable:
         hooked = force_accelerate_hooks(holders)(forward)
 

@@ -371,6 +371,22 @@ def test_compiled_forward_is_not_guarded_on_offloading_hooks():
     assert any("mlp_res_proj" in guard for guard in guards)     # the holders themselves are still traced
 
 
+def test_a_graph_compiled_before_offloading_runs_the_hooks_after_it():
+    """The graph skips the hooks where no weight holder has one, without a guard on that; offloading moves
+    the weights the graph guards on, so the next call retraces with the hooks."""
+    from accelerate import cpu_offload
+
+    model = tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2)
+    ids = torch.randint(3, 97, (1, 5))
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend="eager")
+    with torch.no_grad():
+        expected = compiled(ids).logits
+        cpu_offload(model, execution_device="cpu")
+        assert model.model.layers[1].mlp_res_proj.weight.device.type == "meta"       # offloaded indeed
+        torch.testing.assert_close(compiled(ids).logits, expected)
+
+
 def test_seed_names_load_and_resave_with_the_spec_names(tmp_path):
     """The spec: the seed pseudo-code's `attn_res_proj` / `attn_res_norm` are accepted on load."""
     from safetensors import safe_open
