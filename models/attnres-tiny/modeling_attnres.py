@@ -195,23 +195,41 @@ def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
 
 
 # The modules whose weights a layer's boundaries read without calling them (the fused boundary takes the
-# pseudo-queries and norm gains as tensors): accelerate's offloading puts an offloaded module's weights in
-# place only around its own forward, so the layer fires their hooks itself (`fire_offload_hooks`).
+# pseudo-queries and norm gains as tensors). Whatever acts only inside a module's own call misses them:
+# accelerate's offloading hooks (fired here instead) and wrappers such as PEFT's `target_parameters` LoRA
+# (refused: `reads_weights_of`).
 LAYER_WEIGHT_HOLDERS = ["self_attention_res_proj", "self_attention_res_norm", "input_layernorm", "mlp_res_proj",
                         "mlp_res_norm", "post_attention_layernorm"]
 
 
-def fire_offload_hooks(holders: list[str]) -> Callable:
-    """transformers' `force_accelerate_hooks(holders)`, which a compiled graph runs only where a holder has
-    a hook in its own `__dict__` (where accelerate's `add_hook_to_module` puts it): traced, its attribute
-    lookups (each a walk of the module's dicts) became ~35 guards per layer, all checked before every
-    compiled step of a model without offloading. Dynamo does not guard that dict check; a graph traced
-    before offloading is retraced anyway, since offloading moves the weights it guards on (tested)."""
+def refuse_call_only_wrappers(module: nn.Module, holders: list[str]) -> None:
+    """Raise if a weight holder was replaced by an adapter wrapper (PEFT's `BaseTunerLayer`s keep the module
+    they wrap as `base_layer`): it changes the weight only inside its own call, which never happens, so it
+    would train and apply nothing. PEFT's `modules_to_save` copies do work (their weight is the copy's)."""
+    for name in holders:
+        holder = getattr(module, name)
+        if not isinstance(holder, (AttnResPseudoQuery, AttnResRMSNorm)) and hasattr(holder, "base_layer"):
+            raise ValueError(
+                f"{name} is wrapped by {type(holder).__name__}, which changes {name}.weight only inside its own "
+                f"call, but AttnRes reads that weight without calling {name}: the adapter would train and apply "
+                f"nothing. To fine-tune the pseudo-queries, list them in PEFT's modules_to_save (e.g. "
+                f"modules_to_save=['{name}']) instead of target_parameters.")
+
+
+def reads_weights_of(holders: list[str]) -> Callable:
+    """For a forward that reads the weights of the submodules `holders` without calling them: refuses
+    wrappers that act only in a call (`refuse_call_only_wrappers`) and fires accelerate's offloading hooks
+    (transformers' `force_accelerate_hooks`). A compiled graph fires them only where a holder has a hook in
+    its own `__dict__` (where accelerate's `add_hook_to_module` puts it): traced, the hook lookups (each a
+    walk of the module's dicts) became ~35 guards per layer, all checked before every compiled step of a
+    model without offloading. Dynamo does not guard that dict check; a graph traced before offloading is
+    retraced anyway, since offloading moves the weights it guards on (tested)."""
     def decorator(forward: Callable) -> Callable:
         hooked = force_accelerate_hooks(holders)(forward)
 
         @functools.wraps(forward)
         def wrapped(self, *args, **kwargs):
+            refuse_call_only_wrappers(self, holders)
             if torch.compiler.is_compiling() and not any("_hf_hook" in vars(getattr(self, name)) for name in holders):
                 return forward(self, *args, **kwargs)
             return hooked(self, *args, **kwargs)
@@ -261,7 +279,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         num_stored = bank.num_stored + self.attn_closes_block + self.mlp_closes_block
         return DepthBank(storage, inv_storage, num_stored), partial, output
 
-    @fire_offload_hooks(LAYER_WEIGHT_HOLDERS)
+    @reads_weights_of(LAYER_WEIGHT_HOLDERS)
     def forward(
         self,
         bank: DepthBank,
@@ -411,7 +429,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
-    @fire_offload_hooks(["output_attn_res_proj", "output_attn_res_norm", "norm"])
+    @reads_weights_of(["output_attn_res_proj", "output_attn_res_norm", "norm"])
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -505,6 +523,16 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        """`generate()`'s check of its extra arguments, with a clear word for `output_depth_attentions`:
+        transformers would call it unused and suggest a typo, but its output has no field for them."""
+        if "output_depth_attentions" in model_kwargs:
+            raise ValueError("generate() does not return depth attentions (its output has no field for them); "
+                             "drop output_depth_attentions and run one forward pass over the generated ids: "
+                             "model(output_ids, output_depth_attentions=True).depth_attentions gives every "
+                             "generated token's weights as decoding computed them.")
+        super()._validate_model_kwargs(model_kwargs)
 
     @can_return_tuple
     def forward(

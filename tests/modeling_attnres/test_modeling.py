@@ -387,6 +387,32 @@ def test_a_graph_compiled_before_offloading_runs_the_hooks_after_it():
         torch.testing.assert_close(compiled(ids).logits, expected)
 
 
+def test_peft_adapters_on_the_pseudo_queries_are_refused_unless_they_are_copies():
+    """PEFT's `target_parameters` LoRA changes a weight only inside its module's call, which the boundaries
+    never make (they read the weight): refused by name. `modules_to_save` copies are read and trained."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(3, 97, (2, 6))
+    lora = get_peft_model(tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2),
+                          LoraConfig(r=1, target_modules=[], target_parameters=["mlp_res_proj.weight"]))
+    with pytest.raises(ValueError, match=r"mlp_res_proj is wrapped by ParamWrapper.*modules_to_save"):
+        lora(input_ids=ids)
+    copies = get_peft_model(tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2),
+                            LoraConfig(r=1, target_modules=["q_proj"], modules_to_save=["mlp_res_proj"]))
+    copies(input_ids=ids, labels=ids).loss.backward()
+    trained = [p for n, p in copies.named_parameters() if "mlp_res_proj.modules_to_save" in n]
+    assert trained and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained)
+
+
+def test_generate_refuses_depth_attentions_saying_how_to_get_them():
+    model = tiny_model(seed=13)
+    ids = torch.randint(3, 97, (1, 4))
+    with pytest.raises(ValueError, match=r"generate\(\) does not return depth attentions.*forward pass"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, output_depth_attentions=True)
+    with pytest.raises(ValueError, match="not used by the model"):      # any other unknown argument as before
+        model.generate(ids, max_new_tokens=2, do_sample=False, output_depth_attention=True)
+
+
 def test_seed_names_load_and_resave_with_the_spec_names(tmp_path):
     """The spec: the seed pseudo-code's `attn_res_proj` / `attn_res_norm` are accepted on load."""
     from safetensors import safe_open
