@@ -202,12 +202,12 @@ LAYER_WEIGHT_HOLDERS = ["self_attention_res_proj", "self_attention_res_norm", "i
                         "mlp_res_norm", "post_attention_layernorm"]
 
 
-def refuse_call_only_wrappers(module: nn.Module, holders: list[str]) -> None:
-    """Raise if a weight holder was replaced by an adapter wrapper (PEFT's `BaseTunerLayer`s keep the module
-    they wrap as `base_layer`): it changes the weight only inside its own call, which never happens, so it
-    would train and apply nothing. PEFT's `modules_to_save` copies do work (their weight is the copy's)."""
-    for name in holders:
-        holder = getattr(module, name)
+def refuse_call_only_wrappers(holders: dict[str, nn.Module]) -> None:
+    """Raise if a weight holder (by name) was replaced by an adapter wrapper (PEFT's `BaseTunerLayer`s keep
+    the module they wrap as `base_layer`): it changes the weight only inside its own call, which never
+    happens, so it would train and apply nothing. PEFT's `modules_to_save` copies do work (their weight is
+    the copy's)."""
+    for name, holder in holders.items():
         if not isinstance(holder, (AttnResPseudoQuery, AttnResRMSNorm)) and hasattr(holder, "base_layer"):
             raise ValueError(
                 f"{name} is wrapped by {type(holder).__name__}, which changes {name}.weight only inside its own "
@@ -229,8 +229,9 @@ def reads_weights_of(holders: list[str]) -> Callable:
 
         @functools.wraps(forward)
         def wrapped(self, *args, **kwargs):
-            refuse_call_only_wrappers(self, holders)
-            if torch.compiler.is_compiling() and not any("_hf_hook" in vars(getattr(self, name)) for name in holders):
+            modules = {name: getattr(self, name) for name in holders}
+            refuse_call_only_wrappers(modules)
+            if torch.compiler.is_compiling() and not any("_hf_hook" in vars(m) for m in modules.values()):
                 return forward(self, *args, **kwargs)
             return hooked(self, *args, **kwargs)
         return wrapped
