@@ -11,20 +11,24 @@ mixes vectors of one token position, so decoding needs nothing beyond the ordina
 
 import functools
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import (
@@ -50,7 +54,13 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_attnres import AUTO_MAP, SEED_SITE_ALIASES, AttnResConfig
+from .configuration_attnres import (
+    AUTO_MAP,
+    SEED_SITE_ALIASES,
+    AttnResConfig,
+    check_local_folder,
+    describe_mismatched_shapes,
+)
 from .depth_attention import DepthBank, SiteBoundary, acc, add_to_partial
 from .depth_attention_ops import site_bank, site_boundary
 
@@ -129,54 +139,6 @@ class AttnResDepthMix(nn.Module):
                                  closes_block, norm.weight, norm.variance_epsilon, keep_weights,
                                  reuse_partial=reuse_partial, reference=reference)
         return boundary, boundary.weights
-
-
-def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config: AttnResConfig) -> str:
-    """The error for a checkpoint whose weights do not have the shapes its config implies."""
-    rows = "\n".join(f"  {key}: checkpoint {tuple(ckpt)}, config implies {tuple(model)}"
-                     for key, ckpt, model in sorted(mismatched))
-    return (
-        f"The checkpoint's weights do not match its config.json ({len(mismatched)} tensors):\n{rows}\n"
-        f"(config: hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
-        f"num_attention_heads={config.num_attention_heads}, num_key_value_heads={config.num_key_value_heads}, "
-        f"head_dim={config.head_dim}, vocab_size={config.vocab_size}). Fix config.json to describe these "
-        "weights, or pass ignore_mismatched_sizes=True to re-initialise the mismatched tensors."
-    )
-
-
-def implied_shape(key: str, config: AttnResConfig) -> tuple[int, ...] | None:
-    """The shape `config` implies for checkpoint tensor `key` (`None` for a name it does not know)."""
-    d, hd = config.hidden_size, config.head_dim
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    inter = (config.moe_intermediate_size if ".experts." in key else
-             config.shared_expert_intermediate_size if ".shared_expert." in key else config.intermediate_size)
-    by_suffix = {"embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
-                 "q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d), "o_proj.weight": (d, q),
-                 "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (d,),
-                 "q_norm.weight": (hd,), "k_norm.weight": (hd,), "gate_proj.weight": (inter, d),
-                 "up_proj.weight": (inter, d), "down_proj.weight": (d, inter), "_res_proj.weight": (1, d),
-                 "mlp.gate.weight": (config.num_experts, d), "shared_expert_gate.weight": (1, d), "norm.weight": (d,)}
-    return next((shape for suffix, shape in by_suffix.items() if key.endswith(suffix)), None)
-
-
-def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResConfig) -> None:
-    """Refuse a checkpoint folder whose tensors (read from the safetensors headers only: nothing is
-    allocated) disagree with the sizes or layer count of `config`, before a model of that config is
-    built: a config that claims more rows or layers than the weights would otherwise allocate them first."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-    layers = {int(m.group(1)) for key in shapes if (m := re.match(r"model\.layers\.(\d+)\.", key))}
-    if layers and max(layers) + 1 != config.num_hidden_layers:
-        raise ValueError(f"The checkpoint in {folder} has {max(layers) + 1} layers but its config.json says "
-                         f"num_hidden_layers={config.num_hidden_layers}; fix config.json to describe these weights.")
-    mismatched = {(key, shape, implied) for key, shape in shapes.items()
-                  if (implied := implied_shape(key, config)) is not None and tuple(shape) != implied}
-    if mismatched:
-        raise ValueError(describe_mismatched_shapes(mismatched, config))
 
 
 def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
@@ -340,6 +302,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
         "router_logits": [OutputRecorder(Qwen3MoeTopKRouter, index=0), OutputRecorder(Qwen2MoeTopKRouter, index=0)],
     }
 
+    def __init__(self, config: AttnResConfig, *inputs, **kwargs):
+        config.validate()   # a config edited after construction was type-checked only: check its values too
+        super().__init__(config, *inputs, **kwargs)
+
     @classmethod
     def from_pretrained(cls, *args, key_mapping: dict[str, str] | None = None, ignore_mismatched_sizes: bool = False,
                         output_loading_info: bool = False, **kwargs):
@@ -348,11 +314,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
         every such tensor (transformers' own error only points at a logged report). A local folder is
         checked against its config from the safetensors headers before anything is allocated."""
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        if not ignore_mismatched_sizes and path is not None and os.path.isdir(path):
-            config = kwargs.get("config")
-            if not isinstance(config, AttnResConfig):
-                config = AttnResConfig.from_pretrained(path, **{k: kwargs[k] for k in ("revision",) if k in kwargs})
-            check_checkpoint_against_config(path, config)
+        folder = os.path.join(path, kwargs.get("subfolder") or "") if path is not None else None
+        if not ignore_mismatched_sizes and folder is not None and os.path.isdir(folder):
+            check_local_folder(folder, given_config=kwargs.get("config"))
         model, info = super().from_pretrained(
             *args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, ignore_mismatched_sizes=True,
             output_loading_info=True, **kwargs)
@@ -368,9 +332,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`: transformers copies the modeling files (`REMOTE_CODE_FILES`,
         the classes are registered for the Auto classes) and this adds the whole `AUTO_MAP`, so that the
-        folder (and a `push_to_hub` of it) loads with `trust_remote_code=True` for AutoConfig, AutoModel
-        and AutoModelForCausalLM where this package is not installed. An installed `modeling_attnres`
-        still takes precedence when it is."""
+        folder (and a `push_to_hub` of it) loads with `trust_remote_code=True` for AutoConfig, AutoModel,
+        AutoModelForCausalLM and the task heads' Auto classes where this package is not installed. An
+        installed `modeling_attnres` still takes precedence when it is."""
         self.config.auto_map = dict(AUTO_MAP)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -589,9 +553,36 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         )
 
 
+class AttnResTaskHead:
+    """What the task heads add to transformers' generic ones (`GenericFor*`, as Llama's heads use): those build
+    their base model with `AutoModel.from_config(config)`, so AutoModel is told about `config`'s class first.
+    Installed, the package has registered it; as Hub remote code, transformers loads the config's module and
+    this one from different folders, so `config`'s class is another copy of `AttnResConfig`."""
+
+    def __init__(self, config: AttnResConfig):
+        AutoModel.register(type(config), AttnResModel, exist_ok=True)
+        super().__init__(config)
+
+
+class AttnResForSequenceClassification(AttnResTaskHead, GenericForSequenceClassification, AttnResPreTrainedModel):
+    """AttnRes with a classification head on each sequence's last non-padding token, as Llama's."""
+
+
+class AttnResForTokenClassification(AttnResTaskHead, GenericForTokenClassification, AttnResPreTrainedModel):
+    """AttnRes with a classification head on every token, as Llama's."""
+
+
+class AttnResForQuestionAnswering(AttnResTaskHead, GenericForQuestionAnswering, AttnResPreTrainedModel):
+    """AttnRes with an extractive question-answering head (span start and end logits), as Llama's."""
+
+
 # Saving copies this module and its siblings next to the weights and writes `auto_map` (`custom_object_save`).
 AttnResConfig.register_for_auto_class()
-AttnResModel.register_for_auto_class("AutoModel")
-AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+for _model, _auto_class in ((AttnResModel, "AutoModel"), (AttnResForCausalLM, "AutoModelForCausalLM"),
+                            (AttnResForSequenceClassification, "AutoModelForSequenceClassification"),
+                            (AttnResForTokenClassification, "AutoModelForTokenClassification"),
+                            (AttnResForQuestionAnswering, "AutoModelForQuestionAnswering")):
+    _model.register_for_auto_class(_auto_class)
 
-__all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM"]
+__all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM", "AttnResForSequenceClassification",
+           "AttnResForTokenClassification", "AttnResForQuestionAnswering"]

@@ -52,10 +52,9 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from modeling_attnres.configuration_attnres import SEED_SITE_ALIASES, AttnResConfig
+from modeling_attnres.configuration_attnres import SEED_SITE_ALIASES, AttnResConfig, check_checkpoint_against_config
 from modeling_attnres.depth_attention import DepthBank, SiteBoundary, add_to_partial, empty_bank
 from modeling_attnres.depth_attention_ops import site_bank, site_boundary
-from modeling_attnres.modeling_attnres import check_checkpoint_against_config
 
 logger = init_logger(__name__)
 

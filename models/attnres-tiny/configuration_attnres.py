@@ -7,7 +7,9 @@ types on construction and assignment, and runs every `validate_*` method on cons
 """
 
 import math
+import os
 import re
+from pathlib import Path
 from typing import NamedTuple
 
 from huggingface_hub.dataclasses import strict
@@ -30,6 +32,9 @@ AUTO_MAP = {
     "AutoConfig": "configuration_attnres.AttnResConfig",
     "AutoModel": "modeling_attnres.AttnResModel",
     "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_attnres.AttnResForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_attnres.AttnResForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_attnres.AttnResForQuestionAnswering",
 }
 
 
@@ -279,9 +284,73 @@ def depth_schedule(sublayers_per_block: int, num_hidden_layers: int) -> tuple[De
     return _SCHEDULES[key]
 
 
+def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config: AttnResConfig) -> str:
+    """The error for a checkpoint whose weights do not have the shapes its config implies."""
+    rows = "\n".join(f"  {key}: checkpoint {tuple(ckpt)}, config implies {tuple(model)}"
+                     for key, ckpt, model in sorted(mismatched))
+    return (
+        f"The checkpoint's weights do not match the config they are loaded with ({len(mismatched)} tensors):\n"
+        f"{rows}\n(config: hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
+        f"num_attention_heads={config.num_attention_heads}, num_key_value_heads={config.num_key_value_heads}, "
+        f"head_dim={config.head_dim}, vocab_size={config.vocab_size}). Fix config.json to describe these "
+        "weights (or drop the size overrides given to from_pretrained), or pass ignore_mismatched_sizes=True to "
+        "re-initialise the mismatched tensors."
+    )
+
+
+def implied_shape(key: str, config: AttnResConfig) -> tuple[int, ...] | None:
+    """The shape `config` implies for checkpoint tensor `key` (`None` for a name it does not know)."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    inter = (config.moe_intermediate_size if ".experts." in key else
+             config.shared_expert_intermediate_size if ".shared_expert." in key else config.intermediate_size)
+    by_suffix = {"embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
+                 "q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d), "o_proj.weight": (d, q),
+                 "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (d,),
+                 "q_norm.weight": (hd,), "k_norm.weight": (hd,), "gate_proj.weight": (inter, d),
+                 "up_proj.weight": (inter, d), "down_proj.weight": (d, inter), "_res_proj.weight": (1, d),
+                 "mlp.gate.weight": (config.num_experts, d), "shared_expert_gate.weight": (1, d), "norm.weight": (d,)}
+    return next((shape for suffix, shape in by_suffix.items() if key.endswith(suffix)), None)
+
+
+def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResConfig) -> None:
+    """Refuse a checkpoint folder whose tensors (read from the safetensors headers only: nothing is
+    allocated) disagree with the sizes or layer count of `config`, its own config.json, before a model is
+    built: a config.json that claims more rows or layers than the weights would otherwise allocate them
+    first. (A config the caller gives may differ: fewer layers load the first ones, as for Llama.)"""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    layers = {int(m.group(1)) for key in shapes if (m := re.match(r"model\.layers\.(\d+)\.", key))}
+    if layers and max(layers) + 1 != config.num_hidden_layers:
+        raise ValueError(f"The checkpoint in {folder} has {max(layers) + 1} layers but its config.json says "
+                         f"num_hidden_layers={config.num_hidden_layers}; fix config.json to describe these weights.")
+    mismatched = {(key, shape, implied) for key, shape in shapes.items()
+                  if (implied := implied_shape(key, config)) is not None and tuple(shape) != implied}
+    if mismatched:
+        raise ValueError(describe_mismatched_shapes(mismatched, config))
+
+
+def check_local_folder(folder: str, given_config: AttnResConfig | None) -> None:
+    """Before a local checkpoint folder is loaded: its own config.json against its weights
+    (`check_checkpoint_against_config`). Weights without a config.json, and no config given, are refused:
+    transformers would build a default-size model first."""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        check_checkpoint_against_config(folder, AttnResConfig.from_pretrained(folder))
+    elif given_config is None and any(Path(folder).glob("*.safetensors")):
+        raise ValueError(f"{folder} has weights but no config.json; pass the folder that save_pretrained or "
+                         "attnres-convert wrote (with subfolder= if the checkpoint is in one), or config=.")
+
+
 def check_not_foreign(config_dict: dict) -> None:
     """Raise `ForeignCheckpointError` for a config dict another AttnRes implementation wrote: its
-    `auto_map` points at other code, or it has none of this package's depth-attention fields."""
+    `auto_map` points at other code, or it has none of this package's depth-attention fields. An empty
+    dict (what transformers reads from a folder without config.json) is nobody's: defaults, as for Llama."""
+    if not config_dict:
+        return
     auto_map = config_dict.get("auto_map") or {}
     if not isinstance(auto_map, dict):
         raise ValueError(f"config.json's auto_map must be a mapping of Auto class names to code, got {auto_map!r}; "
@@ -303,4 +372,4 @@ def check_not_foreign(config_dict: dict) -> None:
 
 
 __all__ = ["AUTO_MAP", "SEED_SITE_ALIASES", "AttnResConfig", "DepthSite", "ForeignCheckpointError",
-           "is_depth_parameter"]
+           "check_checkpoint_against_config", "check_local_folder", "is_depth_parameter"]

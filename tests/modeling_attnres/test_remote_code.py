@@ -21,6 +21,9 @@ def test_saved_folder_carries_remote_code(tmp_path):
         "AutoConfig": "configuration_attnres.AttnResConfig",
         "AutoModel": "modeling_attnres.AttnResModel",
         "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_attnres.AttnResForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_attnres.AttnResForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_attnres.AttnResForQuestionAnswering",
     }
 
 

@@ -88,11 +88,15 @@ LOAD_WITHOUT_PACKAGE = textwrap.dedent(
     else:
         raise SystemExit("modeling_attnres is importable: the test would prove nothing")
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
     path, ids_path, out_path, threads = sys.argv[1:5]
     torch.set_num_threads(int(threads))             # same reduction order as the parent: exact logits
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     assert type(config).__module__.startswith("transformers_modules"), type(config).__module__
+    # A head builds its base model through AutoModel, which the remote module registers for its config
+    # (loaded first: loading AutoModel itself would register it).
+    head = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True, num_labels=2)
+    assert type(head.model).__module__.startswith("transformers_modules"), type(head.model).__module__
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, attn_implementation="eager").eval()
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     assert type(AutoModel.from_pretrained(path, trust_remote_code=True)).__name__ == "AttnResModel"

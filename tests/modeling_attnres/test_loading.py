@@ -1,0 +1,101 @@
+"""Loading and building as transformers users do it: overrides, subfolders, odd folders, edited configs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from modeling_attnres import AttnResConfig, AttnResForCausalLM
+from modeling_attnres.configuration_attnres import ForeignCheckpointError
+from tests.support.models import tiny_config, tiny_model
+
+
+@pytest.mark.parametrize("how", ["keyword", "config"])
+def test_fewer_layers_than_the_checkpoint_load_its_first_layers(tmp_path, how):
+    """As for Llama (cutting a model down, e.g. for a draft model): the first layers' weights, the rest unused."""
+    model = tiny_model(seed=30)                                            # 5 layers
+    model.save_pretrained(tmp_path)
+    if how == "keyword":
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, num_hidden_layers=3)
+    else:
+        config = AutoConfig.from_pretrained(tmp_path)
+        config.num_hidden_layers = 3
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, config=config)
+    assert len(loaded.model.layers) == 3
+    original = model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+    expected = AttnResForCausalLM(tiny_config(num_hidden_layers=3)).eval()
+    expected.load_state_dict({k: v for k, v in original.items() if k in expected.state_dict()})
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected(ids).logits, rtol=0, atol=0)
+
+
+def test_a_checkpoint_in_a_subfolder_loads_and_is_checked_there(tmp_path):
+    model = tiny_model(seed=31)
+    model.save_pretrained(tmp_path / "weights")
+    ids = torch.randint(3, 97, (1, 7))
+    for cls in (AttnResForCausalLM, AutoModelForCausalLM):
+        loaded = cls.from_pretrained(tmp_path, subfolder="weights", attn_implementation="eager")
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    config = json.loads((tmp_path / "weights" / "config.json").read_text())
+    config["intermediate_size"] = 48                                       # the weights have 64
+    (tmp_path / "weights" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight: checkpoint \(64, 32\), config implies \(48, 32\)"):
+        AttnResForCausalLM.from_pretrained(tmp_path, subfolder="weights")
+
+
+def test_weights_without_a_config_are_refused_and_an_empty_folder_is_not_called_foreign(tmp_path):
+    tiny_model(seed=32).save_pretrained(tmp_path / "full")
+    (tmp_path / "bare").mkdir()
+    for name in ("model.safetensors", "generation_config.json"):   # transformers needs the latter with config=
+        shutil.copy(tmp_path / "full" / name, tmp_path / "bare")
+    with pytest.raises(ValueError, match="has weights but no config.json"):
+        AttnResForCausalLM.from_pretrained(tmp_path / "bare")
+    config = AttnResConfig.from_pretrained(tmp_path / "full")
+    loaded = AttnResForCausalLM.from_pretrained(tmp_path / "bare", config=config)
+    assert torch.equal(loaded.lm_head.weight, load_file(tmp_path / "bare" / "model.safetensors")["lm_head.weight"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OSError, match="no file named model.safetensors"):         # transformers' own, as for Llama
+        AttnResForCausalLM.from_pretrained(tmp_path / "empty")
+    assert AttnResConfig.from_pretrained(tmp_path / "empty").to_dict() == AttnResConfig().to_dict()
+
+
+def test_a_config_json_without_this_packages_fields_is_still_foreign(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "attnres", "hidden_size": 32}))
+    with pytest.raises(ForeignCheckpointError, match="written by other AttnRes code"):
+        AttnResConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("attn_res_block_size", 0, "must be >= 1, got 0"),
+    ("attn_res_mode", "nope", "must be one of ('block', 'full'), got 'nope'"),
+    ("attn_res_bank_dtype", "int8", "must be one of ('auto', 'float32'), got 'int8'"),
+])
+def test_a_config_edited_after_construction_is_checked_when_a_model_is_built(field, value, fragment):
+    """Assignments are type-checked only; building a model checks the values, as construction does."""
+    config = tiny_config()
+    setattr(config, field, value)
+    with pytest.raises(StrictDataclassClassValidationError) as err:
+        AttnResForCausalLM(config)
+    assert fragment in str(err.value)
+
+
+def test_weights_renamed_to_fewer_layers_still_match_the_first_layers(tmp_path):
+    """A checkpoint trimmed by hand to 2 layers with a 2-layer config.json loads: the check compares the
+    folder's own config.json with its weights."""
+    tiny_model(seed=33).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith(tuple(f"model.layers.{i}." for i in (2, 3, 4)))},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match="has 2 layers but its config.json says num_hidden_layers=5"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    assert len(AutoModelForCausalLM.from_pretrained(tmp_path).model.layers) == 2
