@@ -201,15 +201,18 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
         ) from err
 
 
-def check_destination(dst: Path, src: Path, overwrite: bool) -> None:
-    """Refuse, before any work is done, a DST that would lose data or overlap SRC."""
+def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DST", src_name: str = "SRC") -> None:
+    """Refuse, before any work is done, a DST that would lose data or overlap SRC (named as the command
+    line names them)."""
     dst, src = dst.resolve(), src.resolve()
     if dst == src or src in dst.parents or dst in src.parents:
-        raise ConversionError(f"DST {dst} overlaps SRC {src}; choose a separate output folder.")
+        raise ConversionError(f"{dst_name} {dst} overlaps {src_name} {src}; choose a separate output folder.")
     if dst.exists() and not dst.is_dir():
-        raise ConversionError(f"DST {dst} exists and is not a folder; choose a folder path.")
+        raise ConversionError(f"{dst_name} {dst} exists and is not a folder; choose a folder path.")
+    if next((p for p in dst.parents if p.exists()), dst.parent).is_file():
+        raise ConversionError(f"{dst_name} {dst} is inside a file, not a folder; choose a folder path.")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise ConversionError(f"DST {dst} exists and is not empty; pass --overwrite to replace it, "
+        raise ConversionError(f"{dst_name} {dst} exists and is not empty; pass --overwrite to replace it, "
                               "or choose another folder.")
 
 

@@ -71,6 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if private and not repo:
         parser.error("--private applies to the Hub repo that --push-to-hub creates; add --push-to-hub REPO "
                      "or drop --private.")
+    if repo:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(repo)
+        except HFValidationError as err:
+            parser.error(f"--push-to-hub {repo!r} is not a Hub repo id ({str(err).splitlines()[0]}); expected "
+                         "NAME or OWNER/NAME.")
     try:
         result = convert(src, dst, ConvertOptions(**args))
     except (ConversionError, OSError) as err:

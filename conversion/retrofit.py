@@ -27,14 +27,12 @@ accelerators; on CPUs it is refused rather than silently run as DDP.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import math
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -42,9 +40,19 @@ from transformers import TrainerCallback
 
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
+from .checkpoint_io import check_destination
 from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
 from .errors import ConversionError, UsageError, fail
-from .publish import fsync_tree, staged_file, staged_folder, user_cache_dir
+from .publish import staged_file, staged_folder, user_cache_dir
+from .retrofit_work import (
+    MarkComplete,
+    RetrofitError,
+    check_resumable,
+    last_checkpoint,
+    run_record,
+    start_fresh,
+    work_dir_lock,
+)
 
 TRAINABLE = {
     "depth": ("_res_proj.", "_res_norm."),  # pseudo-queries and key-norm gains (`is_depth_parameter`)
@@ -53,14 +61,9 @@ TRAINABLE = {
     "all": ("",),
 }
 DEFAULT_PATTERNS = ("*.txt", "*.md", "*.rst")
-COMPLETE_MARKER = "attnres-complete.json"       # in a Trainer checkpoint: its files' hashes, written last
 DEPTH_FORMAT = "attnres-depth-v1"
 # Config fields that must agree between the model a depth file was trained on and the one it is applied to.
 DEPTH_CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "attn_res_mode", "attn_res_block_size")
-
-
-class RetrofitError(ConversionError):
-    """A user-facing error: bad model, corpus or depth file (exit 1; bad options are `UsageError`)."""
 
 
 # ----------------------------------------------------------------------------------------- args
@@ -76,7 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--export-depth", type=Path, help="also write only the depth parameters to this .safetensors")
     p.add_argument("--work-dir", type=Path, help="Trainer checkpoints (default: the user cache, "
                    "~/.cache/attnres/retrofit/MODEL_NAME)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work-dir")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work-dir (the same "
+                                                         "model, corpus and options)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder or an existing "
+                                                            "--export-depth file")
     p.add_argument("--train", choices=sorted(TRAINABLE), default="depth",
                    help="depth: pseudo-queries + key-norm gains (default); queries; all: every parameter")
     p.add_argument("--pattern", action="append", help=f"file glob in a corpus folder (default: {DEFAULT_PATTERNS})")
@@ -109,6 +115,11 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         raise UsageError(f"--short-tokens must be in 2..--seq-len ({args.seq_len}), got {args.short_tokens}")
     if not (math.isfinite(args.kl_weight) and args.kl_weight >= 0):
         raise UsageError(f"--kl-weight must be a finite number >= 0, got {args.kl_weight}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0, got {args.lr} (the default is 5e-4)")
+    for name in ("warmup", "eval_windows"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 < args.validation_percent < 100:
         raise UsageError(f"--validation-percent must be in 1..99, got {args.validation_percent}")
     if args.batch_size % world_size:
@@ -116,6 +127,30 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
                             f"{world_size} processes; pass a multiple of {world_size}")
     if args.export_depth is not None and args.export_depth.suffix != ".safetensors":
         raise UsageError(f"--export-depth {args.export_depth} must end in .safetensors")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, outputs that would lose data, as attnres-convert refuses its DST: an --out
+    over, inside or around MODEL, that is a file, or a non-empty folder without --overwrite; an
+    --export-depth file inside MODEL or the output folder (whose files it would replace), a folder, or an
+    existing file without --overwrite; a --work-dir overlapping MODEL (a new run clears its checkpoints)."""
+    model = args.model.resolve()
+    if args.out is not None:
+        check_destination(args.out, args.model, args.overwrite, "--out", "MODEL")
+    work = args.work_dir.resolve()
+    if work == model or model in work.parents or work in model.parents:
+        raise RetrofitError(f"--work-dir {work} overlaps MODEL {model}; pass a separate folder")
+    if args.export_depth is None:
+        return
+    path, out = args.export_depth.resolve(), (args.out or args.work_dir / "final").resolve()
+    for name, folder in (("MODEL", model), ("the output folder", out)):
+        if path == folder or folder in path.parents:
+            raise RetrofitError(f"--export-depth {path} is inside {name} {folder}, whose files it would replace; "
+                             "write it elsewhere")
+    if path.is_dir():
+        raise RetrofitError(f"--export-depth {path} is a folder; pass the path of a .safetensors file")
+    if path.exists() and not args.overwrite:
+        raise RetrofitError(f"--export-depth {path} exists; pass --overwrite to replace it, or choose another path")
 
 
 def check_attnres(path: Path) -> dict:
@@ -128,6 +163,12 @@ def check_attnres(path: Path) -> dict:
     if config.get("model_type") != "attnres":
         raise RetrofitError(f"{path} holds a {config.get('model_type')!r} model, not an AttnRes one; "
                             f"convert it first: attnres-convert {path} {path}-attnres")
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"],
+                                                                                 dict) else None
+        raise RetrofitError(f"{path} is quantized ({method}); retrofit trains in full precision and would write a "
+                            "checkpoint that is neither: retrofit the unquantized checkpoint, then quantize the "
+                            "result (attnres-quantize)")
     return config
 
 
@@ -278,64 +319,6 @@ def check_distributed(world_size: int) -> None:
                             "--multi_gpu --num_processes N -m attnres.conversion.retrofit ...")
 
 
-def checkpoint_files(folder: Path) -> dict[str, str]:
-    """sha256 of every file of a Trainer checkpoint folder but its completion marker, by relative path."""
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
-
-
-def is_complete(folder: Path) -> bool:
-    """Whether a checkpoint was finished: its marker lists exactly the files it holds, unchanged."""
-    try:
-        return json.loads((folder / COMPLETE_MARKER).read_text())["files"] == checkpoint_files(folder)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-class MarkComplete(TrainerCallback):
-    """After the Trainer saved a checkpoint (it writes in place), flush it to disk and publish a marker
-    with its files' hashes: a checkpoint counts for --resume only once its marker is there (`is_complete`),
-    so one cut short by a kill is never resumed from."""
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            fsync_tree(folder)
-            marker = json.dumps({"step": state.global_step, "files": checkpoint_files(folder)})
-            with staged_file(folder / COMPLETE_MARKER) as tmp:
-                tmp.write_text(marker)
-        return control
-
-
-def last_checkpoint(work_dir: Path, log=print) -> str:
-    """The newest complete Trainer checkpoint under `work_dir`, for --resume (incomplete ones, left by a
-    run that was killed while saving, are passed over, and said so)."""
-    found = sorted((int(p.name.split("-")[1]), p) for p in work_dir.glob("checkpoint-*")
-                   if p.is_dir() and p.name.split("-")[1].isdigit()) if work_dir.is_dir() else []
-    for _, folder in reversed(found):
-        if is_complete(folder):
-            return str(folder)
-        log(f"attnres-retrofit: {folder} is incomplete (its run was interrupted while saving); passing over it")
-    raise RetrofitError(f"--resume: no complete checkpoint-* folder in {work_dir}; run without --resume to start")
-
-
-@contextmanager
-def work_dir_lock(work_dir: Path) -> Iterator[None]:
-    """Hold `work_dir` for this run: a second run in the same folder would overwrite this one's
-    checkpoints, so it is refused (the lock dies with its holder)."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(work_dir / ".attnres-retrofit.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise RetrofitError(f"--work-dir {work_dir} is in use by another attnres-retrofit run; wait for it, or "
-                                "pass another --work-dir") from None
-        yield
-    finally:
-        os.close(fd)
-
-
 class StopAfter(TrainerCallback):
     """A Trainer callback that saves a checkpoint and stops after `step` (an interruption, for tests)."""
 
@@ -348,9 +331,11 @@ class StopAfter(TrainerCallback):
         return control
 
 
-def train(model, train_windows: torch.Tensor, heldout: tuple[torch.Tensor, torch.Tensor], args, world_size: int = 1):
+def train(model, train_windows: torch.Tensor, heldout: tuple[torch.Tensor, torch.Tensor], args, world_size: int = 1,
+          record: dict | None = None):
     """Train `model`'s unfrozen parameters with the Trainer, evaluating on the `(long, short)` held-out
-    windows at every checkpoint; the best evaluated one is loaded at the end. Returns (trainer, loss history)."""
+    windows at every checkpoint; the best evaluated one is loaded at the end. Without --resume, the work
+    folder starts empty, with `record` (`run_record`) for a later --resume. Returns (trainer, loss history)."""
     from transformers import TrainerState
     from transformers.trainer import TRAINER_STATE_NAME
 
@@ -366,6 +351,9 @@ def train(model, train_windows: torch.Tensor, heldout: tuple[torch.Tensor, torch
     trainer.add_callback(EvaluateAtEnd())
     trainer.add_callback(MarkComplete())
     with work_dir_lock(args.work_dir) if trainer.is_world_process_zero() else nullcontext():
+        if resume is None and trainer.is_world_process_zero():
+            start_fresh(args.work_dir, record)
+        trainer.accelerator.wait_for_everyone()
         if resume is not None and int(Path(resume).name.split("-")[1]) >= args.steps:
             # Finished already (killed while publishing): the Trainer, resumed at max_steps, would train on.
             trainer._load_from_checkpoint(resume)
@@ -469,16 +457,20 @@ def retrofit(args) -> dict:
     """Load, measure, train, measure, save, export; returns the metrics (also in DST/retrofit.json)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_args(args, world_size)
+    check_outputs(args)
     check_distributed(world_size)
     check_attnres(args.model)
     texts = read_corpus(args.corpus, args.pattern, args.validation_percent)
+    record = run_record(args, texts)
+    if args.resume:
+        check_resumable(args.work_dir, record)
     model, tokenizer = load_model(args.model)
     train_windows = training_windows(tokenizer, texts["train"], args.seq_len)
     long, short = heldout_windows(tokenizer, texts["validation"], args)
     trained = select_trainable(model, args.train)
     start = {n: p.detach().clone() for n, p in model.named_parameters() if n in trained}
     before = heldout_metrics(model, long, short)
-    trainer, history = train(model, train_windows, (long, short), args, world_size)
+    trainer, history = train(model, train_windows, (long, short), args, world_size, record)
     if trainer.state.global_step < args.steps:          # --stop-after: interrupted, nothing to publish
         return {"interrupted_at": trainer.state.global_step, "history": history}
     after = heldout_metrics(trainer.model, long, short)

@@ -143,6 +143,11 @@ def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
     (["--keep-failed", "--no-verify"], "--keep-failed does nothing with --no-verify"),
     (["--revision", "main"], "--revision applies to a Hub repo id, but SRC"),
     (["--private"], "--private applies to the Hub repo that --push-to-hub creates"),
+    (["--stream-scale", "3"], "--stream-scale must be a power of two, got 3: other scales round every scaled "
+                              "weight, and verification would fail; use 4."),
+    (["--seed-block-size", "0"], "--seed-block-size must be 1 (Full AttnRes) or an even number of sublayers"),
+    (["--seed-block-size", "3"], "(2 per layer: AttnRes blocks hold whole layers), got 3."),
+    (["--push-to-hub", "not a repo"], "--push-to-hub 'not a repo' is not a Hub repo id"),
 ])
 def test_wrong_options_exit_2_before_any_work(tmp_path, llama_src, capsys, monkeypatch, argv, message):
     """A wrong option is a usage error (exit 2, one message naming it), found before SRC is even read."""
@@ -227,3 +232,20 @@ def test_side_files_are_copied_only_from_inside_the_checkpoint(tmp_path, llama_s
     (snapshot / "inside.txt").symlink_to(Path("../../blobs/1234"))
     convert(snapshot, tmp_path / "dst2", ConvertOptions(verify=False))
     assert (tmp_path / "dst2" / "inside.txt").read_text() == "from the blob"
+
+
+def test_options_that_do_not_apply_are_named_as_typed(tmp_path, llama_src, capsys):
+    (tmp_path / "c.json").write_text("{}")
+    assert main([str(llama_src), str(tmp_path / "dst"), "--config", str(tmp_path / "c.json")]) == 2
+    assert "--config do(es) not apply here" in capsys.readouterr().err
+    assert main([str(llama_src), str(tmp_path / "a"), "--no-verify"]) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--clip-to-sliding-window"]) == 2
+    assert "--clip-to-sliding-window do(es) not apply here" in capsys.readouterr().err
+
+
+def test_a_destination_inside_a_file_is_refused_in_one_line(tmp_path, llama_src, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main([str(llama_src), str(tmp_path / "notes.txt" / "dst"), "--no-verify"]) == 1
+    assert capsys.readouterr().err.strip().endswith("is inside a file, not a folder; choose a folder path.")
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -16,10 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from attnres.conversion import retrofit
+from attnres.conversion import retrofit, retrofit_work
 from attnres.conversion.errors import UsageError
 from modeling_attnres.configuration_attnres import is_depth_parameter
-from tests.support.models import tiny_model
+from tests.support.models import perturbed_copy, tiny_model
 from tests.support.training import RETROFIT_ARGS, write_corpus, write_zeroed
 
 HELDOUT_MODULES = ("contextlib", "dataclasses")          # not in the corpus at all: an independent held-out text
@@ -110,10 +110,10 @@ def test_resume_passes_over_a_checkpoint_cut_short_and_still_equals_an_uninterru
     common = ("--steps", "6", "--save-every", "2")
     straight = run(zeroed, corpus, tmp_path / "a", *common, "--out", str(tmp_path / "out_a"))
     run(zeroed, corpus, tmp_path / "b", *common, "--stop-after", "4")
-    assert all(retrofit.is_complete(tmp_path / "b" / f"checkpoint-{step}") for step in (2, 4))
+    assert all(retrofit_work.is_complete(tmp_path / "b" / f"checkpoint-{step}") for step in (2, 4))
     weights = tmp_path / "b" / "checkpoint-4" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])          # torn by a kill
-    assert not retrofit.is_complete(tmp_path / "b" / "checkpoint-4")
+    assert not retrofit_work.is_complete(tmp_path / "b" / "checkpoint-4")
     assert retrofit.last_checkpoint(tmp_path / "b", log=lambda _: None).endswith("checkpoint-2")
     resumed = run(zeroed, corpus, tmp_path / "b", *common, "--resume", "--out", str(tmp_path / "out_b"))
     assert resumed["history"] == straight["history"]
@@ -159,6 +159,74 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
             [str(zeroed), str(corpus), "--batch-size", "3"]), 2).value)
     assert retrofit.main([str(zeroed), str(corpus), "--steps", "0"]) == 2          # bad usage
     assert capsys.readouterr().err.strip().splitlines()[-1] == "attnres-retrofit: error: --steps must be >= 1, got 0"
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_outputs_that_would_lose_data_are_refused_before_any_work(zeroed, corpus, tmp_path, capsys):
+    """As attnres-convert refuses its DST: nothing is read, trained or written, and what was there stays."""
+    before = folder_bytes(zeroed)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "a.txt").write_text("keep me too")
+    common = (zeroed, corpus, *RETROFIT_ARGS, "--work-dir", tmp_path / "w")
+    for inside in (zeroed, zeroed / "inner", zeroed.parent):
+        assert "overlaps MODEL" in error_of(capsys, *common, "--out", inside)
+    assert "exists and is not a folder" in error_of(capsys, *common, "--out", notes)
+    assert "exists and is not empty; pass --overwrite" in error_of(capsys, *common, "--out", full)
+    assert "overlaps MODEL" in error_of(capsys, zeroed, corpus, *RETROFIT_ARGS, "--work-dir", zeroed)
+    for argv, fragment in ((("--export-depth", zeroed / "model.safetensors"), "is inside MODEL"),
+                           (("--out", tmp_path / "o", "--export-depth", tmp_path / "o" / "d.safetensors"),
+                            "is inside the output folder"),
+                           (("--export-depth", tmp_path / "notes.safetensors"), "exists; pass --overwrite")):
+        (tmp_path / "notes.safetensors").write_text("keep")
+        assert fragment in error_of(capsys, *common, *argv)
+    assert folder_bytes(zeroed) == before and notes.read_text() == "keep me"
+    assert (tmp_path / "notes.safetensors").read_text() == "keep"
+    assert folder_bytes(full) == {"a.txt": b"keep me too"} and not (tmp_path / "w").exists()
+
+
+def test_bad_option_values_are_usage_errors_naming_the_value(zeroed, corpus, capsys):
+    for argv, message in ((("--lr", "-1"), "--lr must be a finite number > 0, got -1.0 (the default is 5e-4)"),
+                          (("--lr", "nan"), "--lr must be a finite number > 0, got nan (the default is 5e-4)"),
+                          (("--warmup", "-3"), "--warmup must be >= 0, got -3"),
+                          (("--eval-windows", "-1"), "--eval-windows must be >= 0, got -1")):
+        assert retrofit.main([str(zeroed), str(corpus), *argv]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"attnres-retrofit: error: {message}"
+
+
+def test_a_quantized_model_is_refused(zeroed, corpus, tmp_path, capsys):
+    quantized = tmp_path / "q"
+    quantized.mkdir()
+    config = json.loads((zeroed / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "compressed-tensors"}}))
+    assert "is quantized (compressed-tensors); retrofit trains in full precision" in error_of(
+        capsys, quantized, corpus, *RETROFIT_ARGS, "--work-dir", tmp_path / "w")
+
+
+@pytest.mark.timeout(240)
+def test_resume_refuses_another_model_or_options_and_a_new_run_clears_the_old_checkpoints(zeroed, corpus, tmp_path,
+                                                                                         capsys):
+    work, common = tmp_path / "w", ("--steps", "4", "--save-every", "1")
+    run(zeroed, corpus, work, *common, "--stop-after", "2")
+    other = tmp_path / "other"
+    perturbed_copy(zeroed, other, ["model.layers.0.self_attn.q_proj.weight"])
+    resume = (*RETROFIT_ARGS, "--work-dir", work, *common, "--resume")
+    assert "were trained with another MODEL" in error_of(capsys, other, corpus, *resume)
+    changed = error_of(capsys, zeroed, corpus, *resume, "--lr", "1e-3", "--batch-size", "2")
+    assert "--lr (was 0.03, now 0.001)" in changed and "--batch-size (was 4, now 2)" in changed
+    assert sorted(p.name for p in work.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    run(other, corpus, work, *common, "--stop-after", "1")             # a new run: the old checkpoints go
+    assert sorted(p.name for p in work.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert "were trained with another MODEL" in error_of(capsys, zeroed, corpus, *resume)
+    retrofit.check_resumable(work, retrofit.run_record(retrofit.parse_args(
+        [str(other), str(corpus), *RETROFIT_ARGS, "--work-dir", str(work), *common]),
+        retrofit.read_corpus(corpus, ("*.py",), 20)))
 
 
 def test_apply_refuses_a_file_from_another_model(tmp_path):

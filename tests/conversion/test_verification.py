@@ -6,6 +6,7 @@ greedy tokens. Neither mocks the verifier.
 """
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 import attnres.conversion.converter as converter_module
 from attnres.conversion import ConvertOptions, VerificationFailed, convert
 from attnres.conversion.cli import main
+from attnres.conversion.datatypes import VerifyReport
 from attnres.conversion.standard import standard_rules
 from tests.conversion.builders import save_source, source_model
 
@@ -61,3 +63,15 @@ def test_greedy_disagreement_from_a_large_eps_effect_is_refused(tmp_path):
     assert not (tmp_path / "dst").exists() and staged(tmp_path) == []
     result = convert(src, tmp_path / "dst", ConvertOptions(stream_scale=1.0, keep_failed=True))
     assert not result.verification.passed and (tmp_path / "dst" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("vs_prediction, blamed", [(2.5e-7, "the rms_norm_eps effect"), (0.5, "converter bug")])
+def test_a_failed_verification_blames_the_eps_effect_only_where_the_spec_prediction_holds(vs_prediction, blamed):
+    """A greedy flip on a near-tie while the model equals the spec's prediction is the eps effect, not a bug."""
+    report = VerifyReport(max_abs_diff=1e-3, max_rel_diff=1e-4, logit_scale=10.0, argmax_agreement=0.99,
+                          greedy_agree=False, vs_prediction=vs_prediction, reference="the source",
+                          prediction="the source with the spec's eps", explained="eps", greedy_reference="the source",
+                          num_prompts=4, new_tokens=8)
+    message = str(VerificationFailed(Path("dst"), report))
+    assert blamed in message
+    assert ("converter bug" in message) == (blamed == "converter bug")
