@@ -348,6 +348,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=12, help="paired repeats (a multiple of 6 is balanced)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--inductor-cpp-wrapper", action="store_true",
+                        help="compiled mode: Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for every "
+                             "model, which calls a graph's kernels from C++ instead of a generated Python function")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     parser.add_argument("--memory-probes", type=int, default=3, help="fresh processes per model (medians)")
     parser.add_argument("--memory-probe", choices=MODELS, help=argparse.SUPPRESS)
@@ -358,18 +361,27 @@ def parse_args(argv=None):
     return args
 
 
+def apply_inductor_settings(args) -> None:
+    """`--inductor-cpp-wrapper`: the same Inductor setting for every model of the run (torch's own, global)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp_wrapper = bool(args.inductor_cpp_wrapper)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.memory_probe:
         Path(args.probe_out).write_text(json.dumps(memory_probe(args)))
         return
     torch.set_num_threads(args.threads)
+    apply_inductor_settings(args)
     settings = {"dtypes": ", ".join(args.dtypes), "modes": ", ".join(args.modes),
                 "bank dtype": args.bank_dtype or "from the config", "attention": "sdpa", "device": args.device,
                 "repeats": f"{args.repeats} in rotating order ("
                            f"{'balanced' if balanced(args.repeats, 3) else 'not a multiple of 6: unbalanced'})",
                 "prompts": "fresh random token ids every repeat, shared by the three models; warm-up at the timed "
-                           "size", "timed": "one whole generate() call"}
+                           "size", "timed": "one whole generate() call",
+                "Inductor's wrapper": "C++ (cpp_wrapper)" if args.inductor_cpp_wrapper else "Python (torch's default)"}
     print(header(f"transformers, AttnRes / Llama with an A/A control: {describe(args)}", settings) + "\n")
     if args.accuracy:
         print(markdown_table(["model", "attn_res_bank_dtype", "bank kept in", "max |logit error|", "RMS error",

@@ -80,6 +80,9 @@ def quantize_tensors(source) -> tuple[dict[str, torch.Tensor], list[str]]:
 def read_config(src: Path) -> dict:
     """The source `config.json`, checked to be an unquantized AttnRes checkpoint."""
     path = src / "config.json"
+    if not src.is_dir():
+        raise ConversionError(f"SRC {src} {'is not a folder' if src.exists() else 'does not exist'}; pass an AttnRes "
+                              "checkpoint folder (convert other models with attnres-convert first).")
     if not path.is_file():
         raise ConversionError(f"No config.json in {src}; SRC must be an AttnRes checkpoint folder "
                               "(convert other models with attnres-convert first).")

@@ -184,6 +184,18 @@ def test_fused_llama_kernel_rounds_as_llama_in_every_dtype(dtype):
 
 
 @pytest.mark.timeout(660)
+def test_bench_transformers_sets_inductors_cpp_wrapper_only_when_asked(monkeypatch):
+    """`--inductor-cpp-wrapper` is torch's own global setting, so it applies to the three models alike."""
+    import bench_transformers
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "cpp_wrapper", False)
+    bench_transformers.apply_inductor_settings(bench_transformers.parse_args(["--inductor-cpp-wrapper"]))
+    assert inductor_config.cpp_wrapper is True
+    bench_transformers.apply_inductor_settings(bench_transformers.parse_args([]))
+    assert inductor_config.cpp_wrapper is False
+
+
 def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_checkpoint(tmp_path):
     """`--model` / `--source`: an attnres-convert output against the Llama it came from (the sizes come
     from the folders), with the bfloat16-vs-float64 accuracy table and the memory probes."""
@@ -202,7 +214,7 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
               "--decode-batches", "2", "--dtypes", "bfloat16", "--modes", "eager", "fused-llama",
               "--memory-probes", "2")
     assert_header(out, "repeats 2 in rotating order", "fresh random token ids every repeat",
-                  "modes eager, fused-llama")
+                  "modes eager, fused-llama", "Inductor's wrapper Python (torch's default)")
     assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
     accuracy, timing, memory, layers = tables(out)
     assert [(r["model"], r["attn_res_bank_dtype"], r["bank kept in"]) for r in accuracy] == [

@@ -73,6 +73,6 @@ def test_a_killed_retrofit_leaves_the_old_folder_or_the_new_one_and_resumes(tmp_
         return ["--resume"]
 
     run = command("attnres.conversion.retrofit", zeroed, corpus, *RETROFIT_ARGS, "--steps", "8", "--save-every", "2",
-                  "--work-dir", work, "--out", dst)
+                  "--work-dir", work, "--out", dst, "--overwrite")
     seen = check_kills(run, dst, restore, random.Random(SEED + 2), before_rerun=resume_if_possible)
     print("retrofit killed at", seen)

@@ -106,6 +106,8 @@ def test_refuses_a_quantized_source_and_a_non_attnres_folder(quantized, tmp_path
     (tmp_path / "other" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(ConversionError, match="LlamaForCausalLM"):
         quantize_checkpoint(tmp_path / "other", tmp_path / "out")
+    with pytest.raises(ConversionError, match="nothere does not exist; pass an AttnRes checkpoint folder"):
+        quantize_checkpoint(tmp_path / "nothere", tmp_path / "out")
 
 
 def simulated_w8a8(source, quantized) -> torch.nn.Module:
