@@ -17,7 +17,8 @@ puts back on top of a fresh conversion of the same source.
 The corpus is a text file or a folder of them (`--pattern`, default `*.txt`, `*.md`, `*.rst`),
 read in sorted order; a file is held out when `sha256(relative path) % 100 < --validation-percent`,
 and the held-out loss is reported before and after training. Checkpoints go to `--work-dir` every
-`--save-every` steps; `--resume` continues from the last one exactly (same batches, same result).
+`--save-every` steps; `--resume` continues from the last one exactly (same batches, same result), and only
+the run that wrote them: the same model files, corpus and options (`retrofit_work.check_resumable`).
 Runs under `accelerate launch --multi_gpu --num_processes N` unchanged (DDP; gloo on CPUs):
 `--batch-size` is the global batch, split evenly over the processes, so the loss curve matches one
 process. FSDP goes through the Trainer's accelerate integration, which shards only on GPUs and other
