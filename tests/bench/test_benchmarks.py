@@ -184,15 +184,17 @@ def test_fused_llama_kernel_rounds_as_llama_in_every_dtype(dtype):
 
 
 @pytest.mark.timeout(660)
-def test_bench_transformers_sets_inductors_cpp_wrapper_only_when_asked(monkeypatch):
-    """`--inductor-cpp-wrapper` is torch's own global setting, so it applies to the three models alike."""
+def test_bench_transformers_sets_inductors_cpp_wrapper_only_when_asked():
+    """`--inductor-cpp-wrapper` is torch's own global setting, so it applies to the three models alike.
+    (torch's `patch` restores it; pytest's monkeypatch would delete the config entry on undo.)"""
     import bench_transformers
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "cpp_wrapper", False)
-    bench_transformers.apply_inductor_settings(bench_transformers.parse_args(["--inductor-cpp-wrapper"]))
-    assert inductor_config.cpp_wrapper is True
-    bench_transformers.apply_inductor_settings(bench_transformers.parse_args([]))
+    with inductor_config.patch(cpp_wrapper=False):
+        bench_transformers.apply_inductor_settings(bench_transformers.parse_args(["--inductor-cpp-wrapper"]))
+        assert inductor_config.cpp_wrapper is True
+        bench_transformers.apply_inductor_settings(bench_transformers.parse_args([]))
+        assert inductor_config.cpp_wrapper is False
     assert inductor_config.cpp_wrapper is False
 
 
