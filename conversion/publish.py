@@ -22,6 +22,7 @@ never a half-written one, whatever ends the writer:
 import ctypes
 import errno
 import fcntl
+import hashlib
 import os
 import secrets
 import shutil
@@ -71,6 +72,21 @@ def user_cache_dir() -> Path:
         return Path(os.environ["ATTNRES_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "attnres"
+
+
+def hash_file(path: str | os.PathLike, digest=None):
+    """Feed the file at `path` to `digest` (a `hashlib` object; a new sha256 by default) in 1 MiB chunks,
+    so that a multi-gigabyte checkpoint is never read into memory whole; returns the digest."""
+    digest = hashlib.sha256() if digest is None else digest
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    """The hex sha256 of the file at `path` (read in chunks, see `hash_file`)."""
+    return hash_file(path).hexdigest()
 
 
 def remove_dead_stagings(folder: Path) -> list[Path]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .errors import ConversionError
-from .publish import fsync_tree, staged_file
+from .publish import fsync_tree, hash_file, sha256_of, staged_file
 
 COMPLETE_MARKER = "attnres-complete.json"       # in a Trainer checkpoint: its files' hashes, written last
 RUN_RECORD = "attnres-run.json"                 # in --work-dir: what its checkpoints were trained from
@@ -33,7 +33,7 @@ class RetrofitError(ConversionError):
 
 def checkpoint_files(folder: Path) -> dict[str, str]:
     """sha256 of every file of a Trainer checkpoint folder but its completion marker, by relative path."""
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+    return {p.relative_to(folder).as_posix(): sha256_of(p)
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
 
 
@@ -77,9 +77,7 @@ def run_record(args: argparse.Namespace, texts: dict[str, list[str]]) -> dict:
     model = hashlib.sha256()
     for file in [args.model / "config.json", *sorted(args.model.glob("*.safetensors"))]:
         model.update(file.name.encode())
-        with open(file, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 24), b""):
-                model.update(chunk)
+        hash_file(file, model)
     corpus = hashlib.sha256("\0".join([*texts["train"], "\1", *texts["validation"]]).encode())
     options = {name: list(args.pattern) if name == "pattern" else getattr(args, name) for name in RUN_OPTIONS}
     return {"model": str(args.model.resolve()), "model_sha256": model.hexdigest(),

@@ -71,9 +71,9 @@ def fetch(pinned: Pinned, dest: Path) -> Path:
 
 
 def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file: the default model's helper, imported here because its module loads torch and
-    transformers, which reading the data does not need."""
-    from attnres.serving.default_model import sha256_of as file_sha256
+    """Hex sha256 of a file: the package's helper, imported here because importing `attnres.conversion`
+    loads torch and transformers, which reading the data does not need."""
+    from attnres.conversion.publish import sha256_of as file_sha256
 
     return file_sha256(path)
 

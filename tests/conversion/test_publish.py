@@ -1,6 +1,7 @@
 """`attnres.conversion.publish`: every writer's atomic publish, its cleanup on errors and signals, and the
 removal of what killed writers left behind (by their free lock, never a live writer's)."""
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres.conversion.publish import remove_dead_stagings, staged_file, staged_folder
+from attnres.conversion.publish import hash_file, remove_dead_stagings, sha256_of, staged_file, staged_folder
 
 WRITER = """
 import signal, sys, time
@@ -126,3 +127,14 @@ def test_an_interrupted_writer_leaves_no_trace_within_a_second(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) != 0 and time.monotonic() - began < 30
     assert names(tmp_path) == ["out"] and tree(dst) == {"old": "old"}
+
+
+def test_a_file_hashes_to_the_sha256_of_its_bytes_across_chunk_boundaries(tmp_path):
+    data = os.urandom((3 << 20) + 12345)                   # three whole 1 MiB chunks and a part
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    assert sha256_of(path) == hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256(b"prefix")                     # fed into a digest the caller already started
+    assert hash_file(path, digest).hexdigest() == hashlib.sha256(b"prefix" + data).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    assert sha256_of(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
