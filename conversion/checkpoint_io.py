@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import ConversionError, listing
+from .errors import ConversionError, hub_reason, listing
 from .publish import staged_folder
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -195,10 +195,8 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
     try:
         return Path(snapshot_download(repo_id=src, revision=revision))
     except Exception as err:  # network, auth, offline-cache misses: all end the same way for the user
-        raise ConversionError(
-            f"SRC {src!r} is not a local path and could not be fetched from the Hub: {err}. "
-            "Check the repo id and your access (HF_TOKEN), or download it and pass the folder."
-        ) from err
+        raise ConversionError(f"SRC {src!r} is not a local path and could not be fetched from the Hub: "
+                              f"{hub_reason(err, revision)}; or download it and pass its folder.") from err
 
 
 def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DST", src_name: str = "SRC") -> None:

@@ -10,7 +10,7 @@ from huggingface_hub import HfApi
 
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 
-from .errors import ConversionError
+from .errors import ConversionError, hub_reason
 
 REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md")
 
@@ -32,7 +32,7 @@ def push_folder(folder: Path, repo_id: str, *, private: bool | None = None, toke
         info = api.upload_folder(folder_path=folder, repo_id=repo_id, revision=revision,
                                  commit_message="Upload AttnRes checkpoint converted with attnres-convert")
     except Exception as err:  # HTTP, auth and validation errors all end the run the same way
-        raise ConversionError(f"Pushing {folder} to the Hub repo {repo_id!r} failed: {err}. The converted "
-                              f"checkpoint is complete at {folder}; fix access (HF_TOKEN) and push again with "
+        raise ConversionError(f"Pushing {folder} to the Hub repo {repo_id!r} failed: {hub_reason(err)}. The "
+                              f"converted checkpoint is complete at {folder}; push it again with "
                               f"`hf upload {repo_id} {folder}`.") from err
     return str(getattr(info, "commit_url", info))

@@ -92,3 +92,36 @@ def test_source_pulled_by_repo_id_offline(hub_run):
         assert rel_diff(converted(token_ids()).logits, hub_run["pulled_src"](token_ids()).logits) < 1e-5
     assert "base_model: tiny-org/qwen3" in (pulled / "README.md").read_text()
     assert (pulled / "tokenizer.json").exists()
+
+
+def only_error_line(err: str) -> str:
+    """The command's error: exactly one line, the last one on stderr."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("attnres-convert: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    return errors[0]
+
+
+def test_a_repo_missing_from_the_offline_cache_is_one_line_naming_the_fix(tmp_path, capsys):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        mp.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+        assert main(["tiny-org/not-cached", str(tmp_path / "dst")]) == 1
+    line = only_error_line(capsys.readouterr().err)
+    assert "'tiny-org/not-cached'" in line and "HF_HUB_OFFLINE=1" in line and "pass its folder" in line
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_push_without_a_token_is_one_line_and_keeps_the_conversion(tmp_path, capsys):
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    with FakeHub(tmp_path / "cache") as hub, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(constants, "ENDPOINT", hub.url)
+        mp.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        mp.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))           # no stored login either
+        mp.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+        mp.delenv("HF_TOKEN", raising=False)
+        mp.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+        assert main([str(src), str(tmp_path / "dst"), "--no-verify", "--push-to-hub", "me/tiny-attnres"]) == 1
+    line = only_error_line(capsys.readouterr().err)
+    assert "'me/tiny-attnres'" in line and "HF_TOKEN" in line and "hf upload me/tiny-attnres" in line
+    assert hub.commits == [] and (tmp_path / "dst" / "model.safetensors").exists()
