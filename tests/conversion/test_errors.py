@@ -1,7 +1,11 @@
 """Bad inputs: a clear error naming the value and the fix, and nothing left at DST or beside it."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,6 +212,30 @@ def test_interrupting_the_command_prints_one_line(tmp_path, llama_src, capsys, m
     last = capsys.readouterr().err.strip().splitlines()[-1]                   # after the progress bars
     assert last == f"attnres-convert: error: interrupted; nothing half-written is left at {tmp_path / 'dst'}."
     assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["attnres-convert", "attnres-quantize", "attnres-retrofit"])
+def test_ctrl_c_while_the_command_loads_torch_prints_one_line(tmp_path, command):
+    """SIGINT during the first seconds of a console script (importing torch and transformers): exit 130
+    with the one line every later interrupt gives, not a traceback."""
+    script = Path(sys.executable).parent / command
+    assert "attnres.conversion.commands" in script.read_text()         # what pyproject's [project.scripts] made
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", str(script), "--help"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:                           # -X importtime: one line per finished import
+            if line.rstrip().endswith(("torch._C", "torch.version", "torch._utils")):
+                proc.send_signal(signal.SIGINT)            # torch is loading: seconds before --help could print
+                break
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 130, err[-2000:]
+    finally:
+        proc.kill()
+    lines = [line for line in err.splitlines() if not line.startswith("import time:")]
+    assert lines == [f"{command}: error: interrupted while starting; nothing was read or written."], err[-2000:]
+    assert proc.stdout.read() == ""                        # no --help: the command never started
 
 
 def test_side_files_are_copied_only_from_inside_the_checkpoint(tmp_path, llama_src):

@@ -1,0 +1,38 @@
+"""The console scripts of the checkpoint tools (`[project.scripts]` in pyproject.toml).
+
+Each imports its command only once called, under the same Ctrl-C handling the command has while it
+works: loading torch and transformers takes the first seconds of every run, and an interrupt there
+would otherwise end in a traceback rather than in the one line every later interrupt gives. This
+module, and the package's `__init__`, import nothing heavy for that reason.
+"""
+
+import importlib
+
+from .errors import fail
+
+EXIT_INTERRUPTED = 130
+
+
+def run(prog: str, module: str) -> int:
+    """Import `module` (in this package) and return what its `main()` returns; an interrupt while
+    importing ends in one line and exit status 130, before anything was read or written."""
+    try:
+        main = importlib.import_module(module, __package__).main
+    except KeyboardInterrupt:
+        return fail(prog, "interrupted while starting; nothing was read or written.", status=EXIT_INTERRUPTED)
+    return main()
+
+
+def convert() -> int:
+    """`attnres-convert` (`cli.main`)."""
+    return run("attnres-convert", ".cli")
+
+
+def quantize() -> int:
+    """`attnres-quantize` (`quantize.main`)."""
+    return run("attnres-quantize", ".quantize")
+
+
+def retrofit() -> int:
+    """`attnres-retrofit` (`retrofit.main`)."""
+    return run("attnres-retrofit", ".retrofit")
