@@ -30,5 +30,9 @@ def __getattr__(name: str):
     return value
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
+
 __all__ = ["ConversionError", "ConversionResult", "ConvertOptions", "VerificationFailed", "VerifyReport", "convert",
            "push_folder"]

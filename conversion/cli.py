@@ -14,8 +14,8 @@ from pathlib import Path
 
 from .converter import convert
 from .datatypes import DTYPES, ConversionResult, ConvertOptions
-from .errors import ConversionError, fail
-from .hub import push_folder
+from .errors import EXIT_INTERRUPTED, ConversionError, fail
+from .hub import push_folder, require_token
 
 PROG = "attnres-convert"
 
@@ -80,11 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--push-to-hub {repo!r} is not a Hub repo id ({str(err).splitlines()[0]}); expected "
                          "NAME or OWNER/NAME.")
     try:
+        if repo:
+            require_token(repo)                  # before the conversion, not after it
         result = convert(src, dst, ConvertOptions(**args))
     except (ConversionError, OSError) as err:
         return fail(PROG, err)
     except KeyboardInterrupt:                    # the staging is already removed
-        return fail(PROG, f"interrupted; nothing half-written is left at {dst}.", status=130)
+        return fail(PROG, f"interrupted; nothing half-written is left at {dst}.", status=EXIT_INTERRUPTED)
     print("\n".join(summary(result)))
     if result.verification is not None and not result.verification.passed:
         print(f"attnres-convert: warning: verification FAILED ({'; '.join(result.verification.failures())}); "
@@ -96,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return fail(PROG, err)
         except KeyboardInterrupt:
             return fail(PROG, f"interrupted while pushing; the converted checkpoint is complete at {result.dst} "
-                        f"(push it again with `hf upload {repo} {result.dst}`).", status=130)
+                        f"(push it again with `hf upload {repo} {result.dst}`).", status=EXIT_INTERRUPTED)
     return 0
 
 

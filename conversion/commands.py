@@ -8,9 +8,7 @@ module, and the package's `__init__`, import nothing heavy for that reason.
 
 import importlib
 
-from .errors import fail
-
-EXIT_INTERRUPTED = 130
+from .errors import EXIT_INTERRUPTED, fail
 
 
 def run(prog: str, module: str) -> int:

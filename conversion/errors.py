@@ -8,13 +8,15 @@ it as the final line of a failed run. All four commands (`attnres-convert`, `att
 - 1: the work failed: an input that cannot be used (missing, corrupt, the wrong kind of model), a
   failed verification, an unreachable registry or Hub;
 - 2: bad usage: the command line itself is wrong (argparse's own errors, an option value out of range,
-  options that do not go together), found before any input is read.
+  options that do not go together), found before any input is read;
+- 130: interrupted (Ctrl-C) in the checkpoint tools, with nothing half-written left behind.
 """
 
 import sys
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
 class ConversionError(ValueError):
@@ -36,28 +38,42 @@ def fail(prog: str, err: BaseException | str, status: int | None = None) -> int:
     return status if status is not None else getattr(err, "exit_status", EXIT_FAILED)
 
 
-def hub_reason(err: BaseException, revision: str | None = None) -> str:
+def hub_reason(err: BaseException, revision: str | None = None, writing: bool = False) -> str:
     """Why a Hub call failed, in one line: `huggingface_hub`'s messages span several lines (a URL, a request
-    id, advice), and the command's message must stay the last line of the run. Known cases are named
-    with their fix; anything else is its type and the first line of its message."""
-    from huggingface_hub import errors
+    id, advice), and the command's message must stay the last line of the run. Known causes are named
+    with their fix (`writing`: the call was a push); anything else is its type and first line."""
+    from huggingface_hub import constants, errors
 
-    if isinstance(err, (errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError)):
-        return ("it is not in the local Hub cache and HF_HUB_OFFLINE=1 forbids downloading (unset it, or "
-                "download the repo on a connected machine)")
+    cause = err.__cause__
+    if isinstance(err, errors.IncompleteSnapshotError):
+        return "the local Hub cache holds only part of it (download it again while online)"
+    if isinstance(err, errors.OfflineModeIsEnabled) or isinstance(cause, errors.OfflineModeIsEnabled) or (
+            isinstance(err, errors.LocalEntryNotFoundError) and cause is None and constants.is_offline_mode()):
+        return ("it is not in the local Hub cache, and offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) "
+                "forbids downloading it")
+    if isinstance(err, errors.LocalEntryNotFoundError) and cause is not None:   # the Hub failed, no cached copy
+        return f"{hub_reason(cause, revision, writing)}; it is not in the local Hub cache either"
     if isinstance(err, errors.LocalTokenNotFoundError):
         return "no Hub token was found (log in with `hf auth login` or set HF_TOKEN)"
     if isinstance(err, errors.RevisionNotFoundError):
-        return f"the repo has no revision {revision!r} (check --revision)"
+        return f"the repo has no revision {revision!r}"
     if isinstance(err, errors.GatedRepoError):
         return "the repo is gated (accept its terms on the Hub, then set HF_TOKEN to a token of that account)"
     if isinstance(err, errors.RepositoryNotFoundError):
         return "the Hub has no such repo, or it is private and your token (HF_TOKEN) has no access to it"
     status = getattr(getattr(err, "response", None), "status_code", None)
-    if status in (401, 403):
-        return f"the Hub refused the request (HTTP {status}: check that HF_TOKEN is valid and may write there)"
+    if status == 401:
+        return "the Hub refused the token (HTTP 401: set HF_TOKEN to a valid token)"
+    if status == 403:
+        return (f"the token has no {'write ' if writing else ''}access to that repo (HTTP 403: use a token of an "
+                f"account that may {'write to' if writing else 'read'} it)")
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0] if lines else 'no message'}"
+    first = lines[0] if lines else "no message"
+    if status is not None:
+        return f"the Hub answered HTTP {status} ({first})"
+    if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__module__.startswith(("httpx", "httpcore")):
+        return f"the Hub could not be reached ({type(err).__name__}: {first}; check the network or HF_ENDPOINT)"
+    return f"{type(err).__name__}: {first}"
 
 
 def listing(items, limit: int = 20) -> str:

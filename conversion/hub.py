@@ -6,13 +6,21 @@ reads the config's `auto_map` and the modeling files uploaded with the weights.
 
 from pathlib import Path
 
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, get_token
 
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 
 from .errors import ConversionError, hub_reason
 
 REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md")
+
+
+def require_token(repo_id: str, token: str | None = None) -> None:
+    """Refuse a push that has no Hub token to send (`token`, else `HF_TOKEN` or a saved login) before any
+    work: the Hub would refuse it only after the conversion."""
+    if token is None and get_token() is None:
+        raise ConversionError(f"--push-to-hub {repo_id} needs a Hub token and none was found; log in with "
+                              "`hf auth login` or set HF_TOKEN, then run again.")
 
 
 def push_folder(folder: Path, repo_id: str, *, private: bool | None = None, token: str | None = None,
@@ -26,13 +34,15 @@ def push_folder(folder: Path, repo_id: str, *, private: bool | None = None, toke
     if missing or not (list(folder.glob("*.safetensors"))):
         raise ConversionError(f"{folder} is not a converted AttnRes folder (missing: {missing or '*.safetensors'}); "
                               "push the DST of a finished attnres-convert run.")
+    require_token(repo_id, token)
     api = HfApi(endpoint=endpoint, token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(folder_path=folder, repo_id=repo_id, revision=revision,
                                  commit_message="Upload AttnRes checkpoint converted with attnres-convert")
     except Exception as err:  # HTTP, auth and validation errors all end the run the same way
-        raise ConversionError(f"Pushing {folder} to the Hub repo {repo_id!r} failed: {hub_reason(err)}. The "
-                              f"converted checkpoint is complete at {folder}; push it again with "
+        reason = hub_reason(err, revision, writing=True)
+        raise ConversionError(f"Pushing {folder} to the Hub repo {repo_id!r} failed: {reason}. The converted "
+                              f"checkpoint is complete at {folder}; push it again with "
                               f"`hf upload {repo_id} {folder}`.") from err
     return str(getattr(info, "commit_url", info))

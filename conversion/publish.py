@@ -74,7 +74,7 @@ def user_cache_dir() -> Path:
     return Path(base) / "attnres"
 
 
-def hash_file(path: str | os.PathLike, digest=None):
+def hash_file(path: str | os.PathLike, digest: "hashlib._Hash | None" = None) -> "hashlib._Hash":
     """Feed the file at `path` to `digest` (a `hashlib` object; a new sha256 by default) in 1 MiB chunks,
     so that a multi-gigabyte checkpoint is never read into memory whole; returns the digest."""
     digest = hashlib.sha256() if digest is None else digest
@@ -245,5 +245,5 @@ def staged_file(dst: str | os.PathLike) -> Iterator[Path]:
         _put_in_place(staging, dst, overwrite=True)
 
 
-__all__ = ["Terminated", "fsync_tree", "remove_dead_stagings", "scratch_folder", "staged_file", "staged_folder",
-           "terminations_raise", "user_cache_dir"]
+__all__ = ["Terminated", "fsync_tree", "hash_file", "remove_dead_stagings", "scratch_folder", "sha256_of",
+           "staged_file", "staged_folder", "terminations_raise", "user_cache_dir"]

@@ -33,7 +33,7 @@ from modeling_attnres.configuration_attnres import AUTO_MAP
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 
 from .checkpoint_io import check_destination, copy_side_files, open_checkpoint, staged_destination
-from .errors import ConversionError, fail, listing
+from .errors import EXIT_INTERRUPTED, ConversionError, fail, listing
 
 # The linear layers vLLM runs through its quantizable `LinearBase` layers (qkv_proj, o_proj,
 # gate_up_proj, down_proj); nothing else in an AttnRes checkpoint is quantized.
@@ -136,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConversionError, OSError) as err:
         return fail("attnres-quantize", err)
     except KeyboardInterrupt:                    # the staging is already removed
-        return fail("attnres-quantize", f"interrupted; nothing half-written is left at {args.dst}.", status=130)
+        return fail("attnres-quantize", f"interrupted; nothing half-written is left at {args.dst}.",
+                    status=EXIT_INTERRUPTED)
     print(f"Quantized {len(done)} linear weights to int8 (W8A8, compressed-tensors) -> {args.dst}")
     return 0
 

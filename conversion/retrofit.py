@@ -43,7 +43,7 @@ from modeling_attnres.configuration_attnres import is_depth_parameter
 
 from .checkpoint_io import check_destination
 from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
-from .errors import ConversionError, UsageError, fail
+from .errors import EXIT_INTERRUPTED, ConversionError, UsageError, fail
 from .publish import staged_file, staged_folder, user_cache_dir
 from .retrofit_work import (
     MarkComplete,
@@ -499,6 +499,15 @@ def retrofit(args) -> dict:
     return metrics
 
 
+def resume_hint(work_dir: Path) -> str:
+    """What an interrupted run can be continued from: its newest complete checkpoint, if one was saved."""
+    try:
+        checkpoint = last_checkpoint(work_dir, log=lambda _: None)
+    except RetrofitError:
+        return "no checkpoint was saved yet, so run it again from the start"
+    return f"run the same command with --resume to continue from {checkpoint}"
+
+
 def main(argv=None) -> int:
     """Console entry point: `attnres-retrofit MODEL CORPUS [options]`."""
     args = parse_args(argv)
@@ -506,6 +515,9 @@ def main(argv=None) -> int:
         metrics = retrofit(args)
     except (ConversionError, OSError) as err:
         return fail("attnres-retrofit", err)
+    except KeyboardInterrupt:                           # the stagings are already removed
+        return fail("attnres-retrofit", f"interrupted; nothing half-written is left at "
+                    f"{args.out or args.work_dir / 'final'}; {resume_hint(args.work_dir)}.", status=EXIT_INTERRUPTED)
     if int(os.environ.get("RANK", "0")) == 0 and "interrupted_at" not in metrics:
         summary = {k: v for k, v in metrics.items() if k != "history"}
         summary["heldout_ppl_before"] = math.exp(metrics["heldout_loss_before"])

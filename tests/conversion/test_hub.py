@@ -12,12 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from huggingface_hub import constants
+from huggingface_hub import errors as hub_errors
 from transformers import AutoModelForCausalLM
 
 from attnres.conversion.cli import main
+from attnres.conversion.errors import hub_reason
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.conversion.builders import hub_cache_snapshot, rel_diff, save_source, source_model, token_ids
 from tests.conversion.fake_hub import FakeHub
@@ -112,16 +115,77 @@ def test_a_repo_missing_from_the_offline_cache_is_one_line_naming_the_fix(tmp_pa
     assert not (tmp_path / "dst").exists()
 
 
-def test_a_push_without_a_token_is_one_line_and_keeps_the_conversion(tmp_path, capsys):
-    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+@pytest.fixture
+def hub_without_login(tmp_path):
+    """The local Hub as the endpoint, and no token anywhere (`HF_TOKEN`, a saved login)."""
     with FakeHub(tmp_path / "cache") as hub, pytest.MonkeyPatch.context() as mp:
         mp.setattr(constants, "ENDPOINT", hub.url)
         mp.setattr(constants, "HF_HUB_DISABLE_XET", True)
-        mp.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))           # no stored login either
+        mp.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
         mp.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
-        mp.delenv("HF_TOKEN", raising=False)
-        mp.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-        assert main([str(src), str(tmp_path / "dst"), "--no-verify", "--push-to-hub", "me/tiny-attnres"]) == 1
+        for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+            mp.delenv(name, raising=False)
+        yield hub, mp
+
+
+def test_a_push_without_a_token_is_refused_in_one_line_before_converting(tmp_path, capsys, hub_without_login):
+    hub, _ = hub_without_login
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--no-verify", "--push-to-hub", "me/tiny-attnres"]) == 1
     line = only_error_line(capsys.readouterr().err)
-    assert "'me/tiny-attnres'" in line and "HF_TOKEN" in line and "hf upload me/tiny-attnres" in line
+    assert line == ("attnres-convert: error: --push-to-hub me/tiny-attnres needs a Hub token and none was found; "
+                    "log in with `hf auth login` or set HF_TOKEN, then run again.")
+    assert hub.calls == [] and not (tmp_path / "dst").exists()
+
+
+def test_a_token_the_hub_refuses_is_one_line_and_keeps_the_conversion(tmp_path, capsys, hub_without_login):
+    hub, mp = hub_without_login
+    mp.setenv("HF_TOKEN", "expired-token")                  # the local Hub accepts only hf_... tokens
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--no-verify", "--push-to-hub", "me/tiny-attnres"]) == 1
+    line = only_error_line(capsys.readouterr().err)
+    assert "'me/tiny-attnres' failed: the Hub refused the token (HTTP 401: set HF_TOKEN to a valid token)" in line
+    assert f"push it again with `hf upload me/tiny-attnres {tmp_path / 'dst'}`" in line
     assert hub.commits == [] and (tmp_path / "dst" / "model.safetensors").exists()
+
+
+def http_error(cls, status: int):
+    """A `huggingface_hub` HTTP error as the client raises it, with a multi-line message."""
+    response = httpx.Response(status, request=httpx.Request("GET", "https://hub.example/api/models/a/b"))
+    return cls(f"{status} Client Error.\n\nRepository Not Found for url: https://hub.example/...\nRequest id: x",
+               response=response)
+
+
+def wrapped(outer: Exception, cause: Exception) -> Exception:
+    outer.__cause__ = cause
+    return outer
+
+
+@pytest.mark.parametrize("err, reason", [
+    (http_error(hub_errors.RepositoryNotFoundError, 404), "the Hub has no such repo, or it is private"),
+    (http_error(hub_errors.GatedRepoError, 403), "the repo is gated (accept its terms on the Hub"),
+    (http_error(hub_errors.RevisionNotFoundError, 404), "the repo has no revision 'v2'"),
+    (http_error(hub_errors.HfHubHTTPError, 401), "the Hub refused the token (HTTP 401"),
+    (http_error(hub_errors.HfHubHTTPError, 403), "the token has no access to that repo (HTTP 403"),
+    (http_error(hub_errors.HfHubHTTPError, 503), "the Hub answered HTTP 503 (503 Client Error.)"),
+    (hub_errors.LocalTokenNotFoundError("Token is required.\nSee https://..."), "no Hub token was found"),
+    (wrapped(hub_errors.LocalEntryNotFoundError("Cannot find...\nset 'HF_HUB_OFFLINE=0'"),
+             hub_errors.OfflineModeIsEnabled("offline")),
+     "it is not in the local Hub cache, and offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1)"),
+    (wrapped(hub_errors.LocalEntryNotFoundError("Got: ConnectError...\nPlease check your internet connection"),
+             httpx.ConnectError("[Errno 111] Connection refused\nmore")),
+     "the Hub could not be reached (ConnectError: [Errno 111] Connection refused; check the network or HF_ENDPOINT); "
+     "it is not in the local Hub cache either"),
+    (wrapped(hub_errors.LocalEntryNotFoundError("Got: ...\n..."), http_error(hub_errors.HfHubHTTPError, 429)),
+     "the Hub answered HTTP 429 (429 Client Error.); it is not in the local Hub cache either"),
+    (hub_errors.IncompleteSnapshotError("partial\nsnapshot", "/cache/snapshot"),
+     "the local Hub cache holds only part of it"),
+])
+def test_hub_failures_are_named_in_one_line_with_their_fix(err, reason):
+    got = hub_reason(err, revision="v2")
+    assert "\n" not in got and got.startswith(reason), got
+
+
+def test_a_push_is_told_it_needs_write_access():
+    assert hub_reason(http_error(hub_errors.HfHubHTTPError, 403), writing=True).startswith(
+        "the token has no write access to that repo (HTTP 403: use a token of an account that may write to it)")

@@ -135,6 +135,29 @@ def error_of(capsys, *argv) -> str:
     return last
 
 
+def test_ctrl_c_prints_one_line_naming_what_resume_would_continue_from(zeroed, corpus, tmp_path, capsys,
+                                                                        monkeypatch):
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = [str(zeroed), str(corpus), "--out", str(out), "--work-dir", str(work), *RETROFIT_ARGS, "--steps", "4"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as patch:                  # before any checkpoint: nothing to resume from
+        patch.setattr(retrofit, "train", interrupted)
+        assert retrofit.main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"attnres-retrofit: error: interrupted; nothing half-written is left at {out}; no checkpoint was saved "
+        "yet, so run it again from the start.")
+    assert retrofit.main([*argv, "--save-every", "2", "--stop-after", "2"]) == 0     # checkpoint-2, then stops
+    with monkeypatch.context() as patch:                  # interrupted later in the resumed run
+        patch.setattr(retrofit, "heldout_metrics", interrupted)
+        assert retrofit.main([*argv, "--save-every", "2", "--resume"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"attnres-retrofit: error: interrupted; nothing half-written is left at {out}; run the same command with "
+        f"--resume to continue from {work / 'checkpoint-2'}.")
+    assert not out.exists()
+
+
 def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
     llama = tmp_path / "llama"
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -58,29 +58,44 @@ def engines():
     pool.close()
 
 
+HEADS = {"classify": "AttnResForSequenceClassification", "token-classify": "AttnResForTokenClassification"}
+
+
 @pytest.fixture(scope="module")
-def classifier_path(path, tmp_path_factory):
-    """The features checkpoint as an `AttnResForSequenceClassification` with 3 labels (a random score
-    head, transformers' initialisation) and the same tokenizer, saved as transformers saves it."""
+def head_path(path, tmp_path_factory):
+    """`head_path(kind)`: the features checkpoint with a task head of 3 labels (`HEADS[kind]`, a random
+    score layer as transformers initialises it) and the same tokenizer, saved as transformers saves it."""
     from transformers import AutoTokenizer
 
-    from modeling_attnres import AttnResForSequenceClassification
+    import modeling_attnres
 
-    out = tmp_path_factory.mktemp("classifier")
-    torch.manual_seed(11)
-    model = AttnResForSequenceClassification.from_pretrained(path, num_labels=3, dtype=torch.float32)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(path).save_pretrained(out)
-    return out
+    made = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = tmp_path_factory.mktemp(kind)
+            torch.manual_seed(11)
+            head = getattr(modeling_attnres, HEADS[kind]).from_pretrained(path, num_labels=3, dtype=torch.float32)
+            if head.score.bias is not None:                 # the token head's: zero at init, so make it count
+                head.score.bias.data = torch.tensor([0.5, -0.25, 0.0])
+            head.save_pretrained(made[kind])
+            AutoTokenizer.from_pretrained(path).save_pretrained(made[kind])
+        return made[kind]
+
+    return make
 
 
 @pytest.fixture(scope="module")
-def engine(engines, path, classifier_path):
-    """`engine("features")` (the features on), `engine("pooling")` (embeddings) or `engine("classify")`
-    (the classification checkpoint): the pool's live engine of that kind."""
-    kinds = {"features": (path, FEATURES), "pooling": (path, dict(runner="pooling", convert="embed")),
-             "classify": (classifier_path, dict(runner="pooling"))}
-    return lambda kind: engines.get(kind, lambda: make_llm(kinds[kind][0], enforce_eager=True, **kinds[kind][1]))
+def engine(engines, path, head_path):
+    """`engine("features")` (the features on), `engine("pooling")` (embeddings), `engine("classify")` or
+    `engine("token-classify")` (a task head's checkpoint): the pool's live engine of that kind."""
+    kinds = {"features": FEATURES, "pooling": dict(runner="pooling", convert="embed")}
+
+    def start(kind: str):
+        if kind in HEADS:
+            return make_llm(head_path(kind), enforce_eager=True, runner="pooling")
+        return make_llm(path, enforce_eager=True, **kinds[kind])
+    return lambda kind: engines.get(kind, lambda: start(kind))
 
 
 @pytest.fixture(scope="module")
@@ -212,13 +227,13 @@ def test_pooling_runner_embeds_like_transformers(engine, hf):
         assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
 
 
-def test_a_sequence_classification_checkpoint_classifies_like_transformers(engine, classifier_path):
+def test_a_sequence_classification_checkpoint_classifies_like_transformers(engine, head_path):
     from vllm.inputs import TokensPrompt
 
     from modeling_attnres import AttnResForSequenceClassification
 
     llm = engine("classify")
-    hf = AttnResForSequenceClassification.from_pretrained(classifier_path, dtype=torch.float32).eval()
+    hf = AttnResForSequenceClassification.from_pretrained(head_path("classify"), dtype=torch.float32).eval()
     prompts = [PREFIX[:5], LONG[:40], LONG[:7]]
     outs = llm.classify([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -228,3 +243,22 @@ def test_a_sequence_classification_checkpoint_classifies_like_transformers(engin
         assert got.shape == (3,)
         assert torch.allclose(got, want, atol=1e-5), (got, want)
     assert len({tuple(torch.tensor(o.outputs.probs).round(decimals=4).tolist()) for o in outs}) == 3  # not constant
+
+
+def test_a_token_classification_checkpoint_labels_every_token_like_transformers(engine, head_path):
+    from vllm.inputs import TokensPrompt
+
+    from modeling_attnres import AttnResForTokenClassification
+
+    llm = engine("token-classify")
+    hf = AttnResForTokenClassification.from_pretrained(head_path("token-classify"), dtype=torch.float32).eval()
+    assert hf.score.bias.tolist() == [0.5, -0.25, 0.0]
+    prompts = [PREFIX[:5], LONG[:40]]
+    outs = llm.encode([TokensPrompt(prompt_token_ids=p) for p in prompts], pooling_task="token_classify",
+                      use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        got = out.outputs.data
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].softmax(-1)   # [tokens, labels]
+        assert got.shape == (len(prompt), 3)
+        assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
