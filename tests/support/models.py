@@ -5,7 +5,9 @@ import textwrap
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
+import modeling_attnres
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 
 TINY = dict(
@@ -73,6 +75,19 @@ def perturbed_copy(src, dst, names, seed=0) -> dict:
         changes[name] = old + 0.3 * old.float().std().clamp(min=0.1) * noise
     save_file({**weights, **changes}, dst / "model.safetensors", metadata={"format": "pt"})
     return changes
+
+
+def write_head_checkpoint(base, out, head: str, num_labels: int = 3, seed: int = 11):
+    """The causal-LM checkpoint `base` with the task head `head` (a `modeling_attnres` class name) of
+    `num_labels` labels, its score layer as transformers initialises it (a bias, where the head has one, set
+    to non-zero values so that a loader that drops it is caught), saved to `out` with `base`'s tokenizer."""
+    torch.manual_seed(seed)
+    model = getattr(modeling_attnres, head).from_pretrained(base, num_labels=num_labels, dtype=torch.float32)
+    if model.score.bias is not None:
+        model.score.bias.data = torch.linspace(0.5, -0.25, num_labels)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
 
 
 # A child script: load a saved folder with `trust_remote_code=True` where `modeling_attnres` cannot be
