@@ -8,10 +8,11 @@
     python bench/bench_boundary.py --against HEAD~1 --cold --tokens 1024      # this kernel against an earlier one
 
 What a model does between two sublayers, on the same shapes, in one process:
-- `AttnRes`: `depth_attention_ops.site_boundary` as both models call it in eager CPU inference (the C++
+- `AttnRes`: `depth_attention_ops.site_boundary` as vLLM's model calls it in eager CPU inference (the C++
   kernel): the sublayer's output added into the float32 partial (in place, as past a model's first
-  layer), the mix of `n` stored sources and the partial, the next sublayer's RMSNorm. With `--via op`,
-  the same kernel called as the dispatcher op `attnres::site_boundary_reuse`, as vLLM's compiled graphs
+  layer), the mix of `n` stored sources and the partial, the next sublayer's RMSNorm written over the
+  output (in place, as Llama's). With `--via op`, the same kernel called as the dispatcher op
+  `attnres::site_boundary_reuse_into`, as vLLM's compiled graphs
   call it (its arguments go through the op's schema). A boundary that closes a block also writes one
   bank row; the table times the others, which are most of them.
 - `Llama`: `residual += output; output = RMSNorm(residual)` in place, one call: `bench/fused_llama.py`'s
@@ -30,7 +31,8 @@ kernel's C++ source at a git revision of this repository (or in a Python file th
 in the same process. Both are called directly as their extensions, the A/A control is the other build on
 its own tensors, and a column gives the largest difference between the two builds' outputs on the same
 inputs (0 where a change only moved time). Its C++ `site_boundary` must take this kernel's arguments (a
-build from before `reuse_partial` existed is called without it, writing fresh partials).
+build from before `reuse_partial` or `consume_output` existed is called without them, writing fresh
+partials or normed mixes).
 
 `--cold` times each call alone after flushing the caches (writing a buffer of `--flush-mib` MiB, several
 times the last-level cache) and writing the sublayer's output: the state a boundary meets inside a
@@ -90,19 +92,21 @@ def boundary_inputs(tokens: int, d: int, sources: int, dtype: torch.dtype, seed:
             False, False)
 
 
-def takes_reuse(kernel) -> bool:
-    """Whether a built kernel's `site_boundary` takes `reuse_partial` (its 15th argument; earlier builds
-    wrote every new partial to a fresh tensor)."""
-    return "arg14" in (kernel.site_boundary.__doc__ or "")
+def in_place_flags(kernel) -> tuple:
+    """The trailing arguments that make a built kernel's `site_boundary` work in place as the vLLM model calls
+    it: `reuse_partial` (its 15th argument) and `consume_output` (its 16th), as far as that build takes them
+    (earlier builds wrote every new partial, or every normed mix, to a fresh tensor)."""
+    doc = kernel.site_boundary.__doc__ or ""
+    return tuple(True for arg in ("arg14", "arg15") if arg in doc)
 
 
 def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str = "extension", kernel=None,
                  seed: int = 0):
-    """A boundary on `boundary_inputs`, as the models call it past their first layer (the new partial
-    written into the partial they were given): through the extension (eager code) or, `via="op"`, as the
-    dispatcher op `attnres::site_boundary_reuse` a compiled graph calls (vLLM's, with
-    `ATTNRES_CPU_KERNEL=compiled`). With `kernel` (a built extension), its `site_boundary` called directly
-    (reusing the partial where that build can). Returns the call and the output tensor the sublayer
+    """A boundary on `boundary_inputs`, as vLLM's model calls it past its first layer (the new partial
+    written into the partial it was given, the normed mix over the output): through the extension (eager
+    code) or, `via="op"`, as the dispatcher op `attnres::site_boundary_reuse_into` a compiled graph calls
+    (vLLM's, with `ATTNRES_CPU_KERNEL=compiled`). With `kernel` (a built extension), its `site_boundary`
+    called directly (in place where that build can). Returns the call and the output tensor the sublayer
     writes."""
     args = boundary_inputs(tokens, d, sources, dtype, seed)
     storage, inv_storage, _, partial, output, query, gain, _, _, norm = args[:10]
@@ -111,12 +115,12 @@ def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str
                          "benchmark times it. Unset ATTNRES_CPU_KERNEL=0, or install a C++ compiler and ninja.")
 
     if kernel is not None:
-        args += (True,) if takes_reuse(kernel) else ()
+        args += in_place_flags(kernel)
 
         def call():     # `fused_site_boundary`'s eager call, without its Python frame
             kernel.site_boundary(*args)
     elif via == "op":
-        op = torch.ops.attnres.site_boundary_reuse.default
+        op = torch.ops.attnres.site_boundary_reuse_into.default
         op_args = (storage, inv_storage, sources, partial, output, query, gain, EPS, norm, 1e-5)
         # `fused_site_boundary`'s call in a compiled graph (a site that does not close a block)
 
@@ -126,7 +130,8 @@ def attnres_call(tokens: int, d: int, sources: int, dtype: torch.dtype, via: str
         bank = DepthBank(storage, inv_storage, sources)
 
         def call():
-            site_boundary(bank, partial, output, query, gain, EPS, False, norm, 1e-5, reuse_partial=True)
+            site_boundary(bank, partial, output, query, gain, EPS, False, norm, 1e-5, reuse_partial=True,
+                          consume_output=True)
     return call, output
 
 
@@ -206,12 +211,12 @@ def build_kernel(label: str, source: str):
 
 def largest_differences(kernels: list, label: str, tokens: int, d: int, sources: int, dtype: torch.dtype) -> str:
     """The largest |difference| between the two kernels' normed outputs and new partials on the same inputs,
-    each called as it is timed (reusing its own copy of the partial where it can)."""
+    each called as it is timed (in place on its own copies where it can)."""
     results = []
     for kernel in kernels:
         args = boundary_inputs(tokens, d, sources, dtype, seed=3)    # the same values, fresh for each
         try:
-            results.append(kernel.site_boundary(*args, *((True,) if takes_reuse(kernel) else ())))
+            results.append(kernel.site_boundary(*args, *in_place_flags(kernel)))
         except (TypeError, RuntimeError) as error:
             raise SystemExit(f"--against: the kernel at {label} does not take this kernel's arguments, or refused "
                              f"them ({type(error).__name__}: {str(error)[:600]}). Compare with a revision whose "

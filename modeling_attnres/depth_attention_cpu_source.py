@@ -240,12 +240,16 @@ static void check_bank(const char* name, const at::Tensor& storage, const at::Te
 // produced: no new partial when the block closes or no output was added; the mix when neither kept nor
 // needed (a norm was given); the weights unless kept. With `reuse_partial` (the caller no longer reads
 // `partial`) a contiguous partial is the new partial, written in place: a fresh one is not in the caches
-// (cold, 13-70 us more for a 1024-token boundary at hidden 576).
+// (cold, 13-70 us more for a 1024-token boundary at hidden 576). With `consume_output` (the caller no longer
+// reads `output`) a contiguous output of the normed mix's dtype is the normed mix, written over it row by
+// row after the row was read, as Llama's fused add+norm writes its input: a fresh tensor per boundary is
+// memory the allocator may map afresh (page faults at long prefills).
 std::vector<at::Tensor> site_boundary(at::Tensor& storage, at::Tensor& inv_storage, int64_t n,
                                       const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
                                       const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
                                       bool closes_block, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
-                                      at::ScalarType dtype, bool keep_mixed, bool keep_weights, bool reuse_partial) {
+                                      at::ScalarType dtype, bool keep_mixed, bool keep_weights, bool reuse_partial,
+                                      bool consume_output) {
   TORCH_CHECK(partial.has_value() || output.has_value(), "site_boundary: no partial and no output");
   const at::Tensor& ref = output.has_value() ? *output : *partial;
   TORCH_CHECK(ref.device().is_cpu() && query.device().is_cpu() && (!gain.has_value() || gain->device().is_cpu()) &&
@@ -272,7 +276,10 @@ std::vector<at::Tensor> site_boundary(at::Tensor& storage, at::Tensor& inv_stora
   }
   if (write_mix) mixed = at::empty(ref.sizes(), opts.dtype(dtype));
   const auto norm_dtype = has_norm ? c10::promoteTypes(norm_weight->scalar_type(), dtype) : dtype;
-  if (has_norm) normed = at::empty(ref.sizes(), opts.dtype(norm_dtype));
+  if (has_norm) {
+    const bool into_output = consume_output && has_output && o_in.is_same(*output) && o_in.scalar_type() == norm_dtype;
+    normed = into_output ? o_in : at::empty(ref.sizes(), opts.dtype(norm_dtype));
+  }
   auto weight_sizes = ref.sizes().vec();
   weight_sizes.back() = n + 1;
   if (keep_weights) weights = at::empty(weight_sizes, opts.dtype(acc));
@@ -366,7 +373,7 @@ static std::tuple<at::Tensor, at::Tensor> boundary_op(const at::Tensor& storage,
                                                       const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
   at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
   auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, false);
+                         query.scalar_type(), false, false, false, false);
   return {r[0].defined() ? r[0] : at::empty({0}, query.options()), result(r, norm_weight.has_value())};
 }
 
@@ -375,7 +382,7 @@ static at::Tensor boundary_store_op(at::Tensor& storage, at::Tensor& inv_storage
                                     const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
                                     const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
   auto r = site_boundary(storage, inv_storage, n, partial, output, query, gain, eps, true, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, false);
+                         query.scalar_type(), false, false, false, false);
   return result(r, norm_weight.has_value());
 }
 
@@ -386,12 +393,61 @@ static at::Tensor boundary_reuse_op(const at::Tensor& storage, const at::Tensor&
   TORCH_CHECK(partial.has_value() && output.has_value(), "site_boundary_reuse: a partial and an output are needed");
   at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
   auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, true);
+                         query.scalar_type(), false, false, true, false);
   if (!r[0].is_same(*partial)) partial->copy_(r[0]);  // a partial that was not contiguous
   return result(r, norm_weight.has_value());
 }
 
-// Registers the three ops' CPU kernels with the dispatcher (once per process): a compiled graph then calls
+// The same three with the normed mix written over `output` (`consume_output`), which their schemas declare
+// written: `attnres::site_boundary_into` returns the new partial, the other two nothing.
+static void check_into(const char* name, const c10::optional<at::Tensor>& output,
+                       const c10::optional<at::Tensor>& norm_weight, const at::Tensor& query) {
+  TORCH_CHECK(output.has_value() && norm_weight.has_value(), name, ": an output and a norm weight are needed");
+  const auto normed_dtype = c10::promoteTypes(norm_weight->scalar_type(), query.scalar_type());
+  TORCH_CHECK(output->scalar_type() == normed_dtype, name, ": the output is ", output->scalar_type(),
+              " but the normed mix is ", normed_dtype, "; call attnres::site_boundary instead");
+}
+
+static void normed_into(const std::vector<at::Tensor>& r, const c10::optional<at::Tensor>& output) {
+  if (!r[2].is_same(*output)) output->copy_(r[2]);  // an output that was not contiguous
+}
+
+static at::Tensor boundary_into_op(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
+                                   const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
+                                   const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
+                                   const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
+  check_into("site_boundary_into", output, norm_weight, query);
+  at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
+  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
+                         query.scalar_type(), false, false, false, true);
+  normed_into(r, output);
+  return r[0];  // the new partial (an output was added)
+}
+
+static void boundary_store_into_op(at::Tensor& storage, at::Tensor& inv_storage, int64_t n,
+                                   const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
+                                   const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
+                                   const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
+  check_into("site_boundary_store_into", output, norm_weight, query);
+  auto r = site_boundary(storage, inv_storage, n, partial, output, query, gain, eps, true, norm_weight, norm_eps,
+                         query.scalar_type(), false, false, false, true);
+  normed_into(r, output);
+}
+
+static void boundary_reuse_into_op(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
+                                   const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
+                                   const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
+                                   const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
+  check_into("site_boundary_reuse_into", output, norm_weight, query);
+  TORCH_CHECK(partial.has_value(), "site_boundary_reuse_into: a partial is needed");
+  at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
+  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
+                         query.scalar_type(), false, false, true, true);
+  if (!r[0].is_same(*partial)) partial->copy_(r[0]);  // a partial that was not contiguous
+  normed_into(r, output);
+}
+
+// Registers the six ops' CPU kernels with the dispatcher (once per process): a compiled graph then calls
 // the C++ directly, with no Python in between.
 void register_ops() {
   static torch::Library* lib = nullptr;  // lives as long as the process
@@ -400,6 +456,9 @@ void register_ops() {
   lib->impl("site_boundary", TORCH_FN(boundary_op));
   lib->impl("site_boundary_store", TORCH_FN(boundary_store_op));
   lib->impl("site_boundary_reuse", TORCH_FN(boundary_reuse_op));
+  lib->impl("site_boundary_into", TORCH_FN(boundary_into_op));
+  lib->impl("site_boundary_store_into", TORCH_FN(boundary_store_into_op));
+  lib->impl("site_boundary_reuse_into", TORCH_FN(boundary_reuse_into_op));
 }
 
 // `depth_attention.mix_site`: the boundary without an output to add, a block to close or a norm.
@@ -407,7 +466,7 @@ std::vector<at::Tensor> mix_site(at::Tensor& storage, at::Tensor& inv_storage, i
                                  const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
                                  at::ScalarType dtype, bool keep_weights) {
   auto out = site_boundary(storage, inv_storage, n, partial, c10::nullopt, query, gain, eps, false, c10::nullopt, 0.0,
-                           dtype, true, keep_weights, false);
+                           dtype, true, keep_weights, false, false);
   return {out[1], out[3]};
 }
 

@@ -111,9 +111,11 @@ def boundary(bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor
     """One sublayer boundary (`depth_attention_ops.site_boundary`): `output` added into the partial, the
     site's mix, the block store when the site closes one, and `norm` (the next sublayer's RMSNorm) of the
     mix as `.normed`. `reuse_partial`: `partial` came out of an earlier boundary that added an output, so
-    its memory may take the new partial."""
+    its memory may take the new partial. `output` is a sublayer's result that nothing reads afterwards, so
+    its memory may take `.normed`, as vLLM's fused add+norm writes Llama's."""
     return site_boundary(bank, partial, output, proj.weight, key_norm.weight, key_norm.variance_epsilon,
-                         closes_block, norm.weight, norm.variance_epsilon, reuse_partial=reuse_partial)
+                         closes_block, norm.weight, norm.variance_epsilon, reuse_partial=reuse_partial,
+                         consume_output=True)
 
 
 class AttnResAttention(LlamaAttention):
@@ -187,7 +189,7 @@ class AttnResDecoderLayer(nn.Module):
         h = self.self_attn(positions=positions, hidden_states=b.normed)
         b = boundary(b.bank, b.partial, h, self.mlp_res_proj, self.mlp_res_norm, self.mlp_closes_block,
                      self.post_attention_layernorm, owned)
-        del h                                  # now in the partial: freed before the MLP's peak, as Llama frees it
+        del h                                  # in the partial now; its memory holds the MLP's input
         return b.bank, b.partial, self.mlp(b.normed)
 
 

@@ -6,7 +6,8 @@ and Llama does not pay it (README, "Performance"). This kernel does a whole subl
 call, per token in one pass over its bank row: the sublayer output added into the partial (in place
 where the caller passes `reuse_partial`), the scores, softmax and weighted sum (a bfloat16/float16
 bank read as float32, the key-norm gain folded into the query), the block store in place when the site
-closes one, and the next sublayer's RMSNorm of the mix (rounded as transformers' `LlamaRMSNorm`).
+closes one, and the next sublayer's RMSNorm of the mix (rounded as transformers' `LlamaRMSNorm`), written
+over the sublayer output where the caller passes `consume_output` (as vLLM's fused add+norm writes Llama's).
 `mix_site` and `push_source` are the same kernel's parts on their own, for callers that still run them
 separately.
 
@@ -20,7 +21,7 @@ torch path (same results). It is turned off by `ATTNRES_CPU_KERNEL=0` or `enable
 
 Inside `torch.compile` the sites are left to Inductor's generated code unless asked for with
 `enable_cpu_kernel(compiled=True)` / `ATTNRES_CPU_KERNEL=compiled`: then they run as the custom ops
-`attnres::mix_site` / `attnres::site_boundary[_store|_reuse]` (with fake implementations for tracing). In
+`attnres::mix_site` / `attnres::site_boundary[_store|_reuse][_into]` (with fake implementations for tracing). In
 transformers' compiled decoding the ops measured no faster than Inductor's code, so graphs do not use
 them by default; `attnres-serve` turns them on for vLLM's graphs, where they measured faster
 (docs/performance.md).
@@ -181,7 +182,7 @@ if not hasattr(torch.ops.attnres, "mix_site"):      # once per process (the pack
     torch.library.custom_op("attnres::mix_site", _mix_site_impl, mutates_args=())
     torch.library.register_fake("attnres::mix_site", _mix_site_fake)
 
-_SIGNATURE = ("({storage}, {inv_storage}, int num_stored, {partial}, Tensor? output, Tensor query, "
+_SIGNATURE = ("({storage}, {inv_storage}, int num_stored, {partial}, {output}, Tensor query, "
               "Tensor? gain, float eps, Tensor? norm_weight, float norm_eps) -> {returns}")
 
 
@@ -201,6 +202,17 @@ def _boundary_store_fake(*args) -> Tensor:
     return _boundary_fake(*args)[1]
 
 
+def _boundary_into_fake(*args) -> Tensor:
+    """`attnres::site_boundary_into`'s result: the new partial (the normed mix goes into `output`)."""
+    return _boundary_fake(*args)[0]
+
+
+def _boundary_nothing_fake(*args) -> None:
+    """`attnres::site_boundary_store_into` and `attnres::site_boundary_reuse_into` return nothing: they write
+    the bank or the partial, and the normed mix into `output`."""
+    return None
+
+
 def _boundary_first_call(name: str):
     """The ops' kernel until the C++ one is registered: builds (or loads) the extension, registers its CPU
     kernels with the dispatcher, which take precedence from then on, and calls the op again."""
@@ -211,19 +223,27 @@ def _boundary_first_call(name: str):
 
 
 # Each op is registered once per process: the package and a Hub copy of this file (possibly an older one,
-# with fewer ops) may both be imported. The boundary is three ops, so that each declares (and does) only
+# with fewer ops) may both be imported. The boundary is six ops, so that each declares (and does) only
 # its writes: the one that stores a block writes the bank, the one that reuses the partial writes the new
-# partial into it. Schemas and fake implementations are defined here, the CPU kernels in C++
-# (`register_ops`), so a compiled graph calls the C++ without a Python hop; until the extension is loaded
-# a Python kernel for any backend (CompositeExplicitAutograd, below the CPU kernel in precedence) loads it.
+# partial into it, and each has an `_into` twin that also writes the normed mix over the sublayer output.
+# Schemas and fake implementations are defined here, the CPU kernels in C++ (`register_ops`), so a compiled
+# graph calls the C++ without a Python hop; until the extension is loaded a Python kernel for any backend
+# (CompositeExplicitAutograd, below the CPU kernel in precedence) loads it.
 _LIBRARY = torch.library.Library("attnres", "FRAGMENT")  # a registration lives as long as its Library
-for _name, _bank, _partial, _returns, _fake in (("site_boundary", "", "", "(Tensor, Tensor)", _boundary_fake),
-                                                ("site_boundary_store", "(a!)", "", "Tensor", _boundary_store_fake),
-                                                ("site_boundary_reuse", "", "(a!)", "Tensor", _boundary_store_fake)):
+_BOUNDARY_OPS = (  # name, bank written, partial written, output written, returns, fake
+    ("site_boundary", "", "", "", "(Tensor, Tensor)", _boundary_fake),
+    ("site_boundary_store", "(a!)", "", "", "Tensor", _boundary_store_fake),
+    ("site_boundary_reuse", "", "(a!)", "", "Tensor", _boundary_store_fake),
+    ("site_boundary_into", "", "", "(c!)", "Tensor", _boundary_into_fake),
+    ("site_boundary_store_into", "(a!)", "", "(c!)", "()", _boundary_nothing_fake),
+    ("site_boundary_reuse_into", "", "(a!)", "(c!)", "()", _boundary_nothing_fake),
+)
+for _name, _bank, _partial, _output, _returns, _fake in _BOUNDARY_OPS:
     if not hasattr(torch.ops.attnres, _name):
         _LIBRARY.define(_name + _SIGNATURE.format(storage=f"Tensor{_bank} storage",
                                                   inv_storage=f"Tensor{_bank and '(b!)'} inv_storage",
-                                                  partial=f"Tensor{_partial}? partial", returns=_returns))
+                                                  partial=f"Tensor{_partial}? partial",
+                                                  output=f"Tensor{_output}? output", returns=_returns))
         torch.library.register_fake(f"attnres::{_name}", _fake)
         _LIBRARY.impl(_name, _boundary_first_call(_name), "CompositeExplicitAutograd")
 
@@ -258,12 +278,14 @@ def fused_mix_site(bank: DepthBank, partial: Tensor, query: Tensor, eps: float, 
 def fused_site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None, query: Tensor, eps: float,
                         closes_block: bool, norm_weight: Tensor | None, norm_eps: float, dtype: torch.dtype,
                         keep_weights: bool = False, keep_mixed: bool = False,
-                        gain: Tensor | None = None, reuse_partial: bool = False) -> SiteBoundary:
+                        gain: Tensor | None = None, reuse_partial: bool = False,
+                        consume_output: bool = False) -> SiteBoundary:
     """`depth_attention.site_boundary` (same arguments, same results up to float rounding) in one C++
     call; the block, when the site closes one, is stored in place. With `gain` (the site's key-norm
     weight), `query` is the raw pseudo-query, folded in C++. With `reuse_partial` (the caller no longer
-    reads `partial`), the new partial is written into `partial`'s memory (when contiguous). Forward
-    only: call it where `cpu_kernel_applies`."""
+    reads `partial`), the new partial is written into `partial`'s memory (when contiguous); with
+    `consume_output` (the caller no longer reads `output`), the normed mix is written into `output`'s
+    (when contiguous and of the normed mix's dtype). Forward only: call it where `cpu_kernel_applies`."""
     n = bank.num_stored
     no_room = closes_block and n >= bank.storage.shape[-2]              # the reference grows the bank
     # The ops return only what the models read, in the query's dtype: other compiled calls take the reference.
@@ -274,15 +296,16 @@ def fused_site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor 
                              keep_weights, keep_mixed)
     if output is None and partial.dtype not in (torch.float32, torch.float64):
         partial, output = None, partial                # the embedding: read (as the output) in float32
+        consume_output = False                         # and not the caller's to give
     if torch.compiler.is_compiling():
         new_partial, result = _compiled_boundary(bank, partial, output, query, gain, eps, closes_block, norm_weight,
-                                                 norm_eps, reuse_partial)
+                                                 norm_eps, reuse_partial, consume_output)
         mixed, normed, weights = (result, None, None) if norm_weight is None else (None, result, None)
     else:
         # Eager calls the extension directly (see `fused_mix_site`); what it does not produce is None.
         new_partial, mixed, normed, weights = (_module or _build()).site_boundary(
             bank.storage, bank.inv_storage, n, partial, output, query, gain, eps, closes_block, norm_weight, norm_eps,
-            dtype, keep_mixed, keep_weights, reuse_partial)
+            dtype, keep_mixed, keep_weights, reuse_partial, consume_output)
     if closes_block:
         return SiteBoundary(DepthBank(bank.storage, bank.inv_storage, n + 1), None, mixed, normed, weights)
     return SiteBoundary(bank, partial if new_partial is None else new_partial, mixed, normed, weights)
@@ -290,13 +313,23 @@ def fused_site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor 
 
 def _compiled_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None, query: Tensor,
                        gain: Tensor | None, eps: float, closes_block: bool, norm_weight: Tensor | None,
-                       norm_eps: float, reuse_partial: bool) -> tuple[Tensor | None, Tensor]:
+                       norm_eps: float, reuse_partial: bool, consume_output: bool) -> tuple[Tensor | None, Tensor]:
     """The boundary as a compiled graph's op: (the new partial, or None where there is none; the normed mix,
     or the mix without a norm)."""
     args = (bank.storage, bank.inv_storage, bank.num_stored, partial, output, query, gain, eps, norm_weight, norm_eps)
+    reuse = reuse_partial and partial is not None and output is not None
+    if (consume_output and output is not None and norm_weight is not None
+            and output.dtype == torch.promote_types(norm_weight.dtype, query.dtype)):
+        if closes_block:                                                # the normed mix written over `output`
+            torch.ops.attnres.site_boundary_store_into(*args)
+            return None, output
+        if reuse:
+            torch.ops.attnres.site_boundary_reuse_into(*args)
+            return partial, output
+        return torch.ops.attnres.site_boundary_into(*args), output
     if closes_block:
         return None, torch.ops.attnres.site_boundary_store(*args)
-    if reuse_partial and partial is not None and output is not None:
+    if reuse:
         return partial, torch.ops.attnres.site_boundary_reuse(*args)       # the new partial written into it
     new_partial, result = torch.ops.attnres.site_boundary(*args)
     return (new_partial if output is not None else None), result

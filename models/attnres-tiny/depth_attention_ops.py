@@ -89,7 +89,7 @@ def site_push(bank: DepthBank, partial: Tensor, closes_block: bool,
 def site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None, proj_weight: Tensor,
                   gain: Tensor, eps: float, closes_block: bool, norm_weight: Tensor | None = None,
                   norm_eps: float = 0.0, keep_weights: bool = False, keep_mixed: bool = False,
-                  reuse_partial: bool = False, reference: bool = False) -> SiteBoundary:
+                  reuse_partial: bool = False, consume_output: bool = False, reference: bool = False) -> SiteBoundary:
     """One sublayer boundary (`depth_attention.site_boundary`) by the backend `site_backend` names: the
     previous sublayer's `output` added into `partial` (`output=None` at a first site: `partial` is the
     embedding, or the partial a pipeline stage received), the mix of the site with pseudo-query
@@ -105,7 +105,10 @@ def site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None
     `reuse_partial=True` says that the caller never reads `partial` again (the models: it came out of an
     earlier boundary that added an output): the CPU kernel then writes the new partial into its memory
     instead of a fresh tensor (the returned `partial` is that tensor, when it is contiguous). The results
-    are the same; other backends ignore it.
+    are the same; other backends ignore it. `consume_output=True` says the same of `output` (vLLM's model: a
+    sublayer's result that nothing else reads): the CPU kernel then writes the normed mix over it, as
+    vLLM's fused add+norm writes Llama's, instead of into fresh memory (`normed` is then `output`, when
+    contiguous and of the normed mix's dtype). The transformers model does not: a forward hook may hold it.
 
     `reference=True` runs the torch reference whatever the backends: for a computation that is replayed
     under autograd (reentrant gradient checkpointing runs a layer's first forward without autograd, and
@@ -114,7 +117,8 @@ def site_boundary(bank: DepthBank, partial: Tensor | None, output: Tensor | None
     probe = output if partial is None else partial
     if not reference and cpu_kernel_applies(probe):                    # folds the query in C++
         return fused_site_boundary(bank, partial, output, proj_weight, eps, closes_block, norm_weight, norm_eps,
-                                   proj_weight.dtype, keep_weights, keep_mixed, gain=gain, reuse_partial=reuse_partial)
+                                   proj_weight.dtype, keep_weights, keep_mixed, gain=gain, reuse_partial=reuse_partial,
+                                   consume_output=consume_output)
     if not reference and triton_applies(probe, in_graphs=True):        # folds the query in the kernel
         return triton_site_boundary(bank, partial, output, proj_weight, eps, closes_block, norm_weight, norm_eps,
                                     proj_weight.dtype, keep_weights, keep_mixed, gain=gain)

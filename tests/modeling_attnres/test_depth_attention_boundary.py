@@ -415,6 +415,67 @@ def test_a_reused_partial_takes_the_new_partial_eager_and_compiled_with_the_same
     assert "copy_(" not in code and "clone" not in code and "aten.copy" not in code, code
 
 
+INTO_OPS = {("add", False, True): "site_boundary_reuse_into", ("add", True, False): "site_boundary_store_into",
+            ("add", False, False): "site_boundary_into", ("closed", False, False): "site_boundary_into"}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype,bank_dtype", [(F32, None), (BF16, BF16)])
+@pytest.mark.parametrize("form,closes,reuse", list(INTO_OPS))
+def test_a_consumed_output_takes_the_normed_mix_eager_and_compiled_with_the_same_results(
+        dtype, bank_dtype, form, closes, reuse):
+    """`consume_output=True` (vLLM's model): the eager kernel writes the normed mix over the sublayer output it
+    was given (the same tensor comes back as `.normed`), the compiled op (`attnres::site_boundary[_store|
+    _reuse]_into`) does the same to an output the graph computed, with no copy in Inductor's code, and both
+    give the bank, partial and normed mix of a boundary that does not consume, bit for bit. An output that is
+    not contiguous, or not of the normed mix's dtype, is left alone (a fresh normed mix is returned)."""
+    from torch._inductor.utils import run_and_get_code
+
+    bank, partial, output, proj, gain, norm_weight = make(3, (4, 6), 64, dtype, bank_dtype, seed=13)
+    partial, output = inputs(form, partial, output)
+
+    def boundary(bank, partial, output, consume=True):
+        """The boundary on a copy of `bank` and of `partial` (which `reuse` may overwrite)."""
+        given = None if partial is None else partial.clone()
+        return ops.site_boundary(bank, given, output, proj, gain, EPS, closes, norm_weight, NORM_EPS,
+                                 reuse_partial=reuse, consume_output=consume)
+
+    with torch.no_grad():
+        ref_bank, eager_bank, graph_bank = copy(bank), copy(bank), copy(bank)
+        fresh = boundary(ref_bank, partial, output, consume=False)
+        given = output.clone()
+        eager = boundary(eager_bank, partial, given)
+        strided = output.transpose(0, 1).contiguous().transpose(0, 1)          # the same values, transposed
+        kept = boundary(copy(bank), partial, strided)
+        other = output.to(BF16 if dtype == F32 else F32)                      # not the normed mix's dtype
+        other_fresh, other_kept = (boundary(copy(bank), partial, other, consume) for consume in (False, True))
+        torch._dynamo.reset()
+        cpu.enable_cpu_kernel(compiled=True)
+        try:
+            def graph(storage, inv_storage, partial, output):
+                b = boundary(DepthBank(storage, inv_storage, 3), partial, output * 2)   # an output of the graph's
+                return b.normed, b.partial
+
+            (normed, new_partial), (code,) = run_and_get_code(torch.compile(graph, fullgraph=True), graph_bank.storage,
+                                                              graph_bank.inv_storage, partial, output / 2)
+        finally:
+            cpu.enable_cpu_kernel()
+    assert eager.normed is given and torch.equal(given, fresh.normed)
+    for result, result_bank in ((eager, eager_bank), (SimpleNamespace(normed=normed, partial=new_partial), graph_bank)):
+        assert torch.equal(result.normed, fresh.normed)
+        assert (result.partial is None) == (fresh.partial is None) == closes
+        assert closes or torch.equal(result.partial, fresh.partial)
+        rows = 3 + closes                                                  # the rows written (the rest: garbage)
+        assert torch.equal(result_bank.storage[..., :rows, :], ref_bank.storage[..., :rows, :])
+        assert torch.equal(result_bank.inv_storage[..., :rows], ref_bank.inv_storage[..., :rows])
+    assert kept.normed is not strided and torch.equal(strided, output) and torch.equal(kept.normed, fresh.normed)
+    assert other_kept.normed is not other and torch.equal(other_kept.normed, other_fresh.normed)
+    assert torch.equal(other, output.to(other.dtype))
+    code = code[code.index("def call("):code.index("def get_args(")]
+    assert code.count(f"torch.ops.attnres.{INTO_OPS[form, closes, reuse]}.default(") == 1, code
+    assert "copy_(" not in code and "aten.copy" not in code, code
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("closes", [False, True])
 def test_compiled_boundaries_that_keep_weights_or_the_mix_run_the_reference_in_the_graph(closes):
