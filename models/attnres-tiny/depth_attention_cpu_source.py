@@ -357,94 +357,45 @@ _Pragma("omp simd")
   return {p_out, mixed, normed, weights};
 }
 
-// The ops `attnres::site_boundary` / `attnres::site_boundary_store` (schemas defined from Python), as compiled
-// graphs call them, with few scalars (a boxed call converts each Python scalar, ~0.15 us apiece): whether the
-// block closes is the op's name, the mix is in the query's dtype, and only what the models read is returned
-// (a compiled call that keeps the weights or the mix runs the torch reference). The first returns {new
-// partial, or an empty tensor where none is produced; the normed mix, or the mix without a norm}; the
-// second stores the block in the bank and returns the normed mix alone; the third writes the new partial
-// into `partial` (which its caller no longer reads) and returns the normed mix alone.
-static at::Tensor result(std::vector<at::Tensor>& r, bool has_norm) { return has_norm ? r[2] : r[1]; }
-
-static std::tuple<at::Tensor, at::Tensor> boundary_op(const at::Tensor& storage, const at::Tensor& inv_storage,
-                                                      int64_t n, const c10::optional<at::Tensor>& partial,
-                                                      const c10::optional<at::Tensor>& output, const at::Tensor& query,
-                                                      const c10::optional<at::Tensor>& gain, double eps,
-                                                      const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
-  at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
-  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, false, false);
-  return {r[0].defined() ? r[0] : at::empty({0}, query.options()), result(r, norm_weight.has_value())};
-}
-
-static at::Tensor boundary_store_op(at::Tensor& storage, at::Tensor& inv_storage, int64_t n,
-                                    const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
-                                    const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
-                                    const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
-  auto r = site_boundary(storage, inv_storage, n, partial, output, query, gain, eps, true, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, false, false);
-  return result(r, norm_weight.has_value());
-}
-
-static at::Tensor boundary_reuse_op(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
-                                    const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
-                                    const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
-                                    const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
-  TORCH_CHECK(partial.has_value() && output.has_value(), "site_boundary_reuse: a partial and an output are needed");
-  at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
-  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, true, false);
-  if (!r[0].is_same(*partial)) partial->copy_(r[0]);  // a partial that was not contiguous
-  return result(r, norm_weight.has_value());
-}
-
-// The same three with the normed mix written over `output` (`consume_output`), which their schemas declare
-// written: `attnres::site_boundary_into` returns the new partial, the other two nothing.
-static void check_into(const char* name, const c10::optional<at::Tensor>& output,
-                       const c10::optional<at::Tensor>& norm_weight, const at::Tensor& query) {
-  TORCH_CHECK(output.has_value() && norm_weight.has_value(), name, ": an output and a norm weight are needed");
-  const auto normed_dtype = c10::promoteTypes(norm_weight->scalar_type(), query.scalar_type());
-  TORCH_CHECK(output->scalar_type() == normed_dtype, name, ": the output is ", output->scalar_type(),
-              " but the normed mix is ", normed_dtype, "; call attnres::site_boundary instead");
-}
-
-static void normed_into(const std::vector<at::Tensor>& r, const c10::optional<at::Tensor>& output) {
-  if (!r[2].is_same(*output)) output->copy_(r[2]);  // an output that was not contiguous
-}
-
-static at::Tensor boundary_into_op(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
-                                   const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
-                                   const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
-                                   const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
-  check_into("site_boundary_into", output, norm_weight, query);
-  at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
-  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, false, true);
-  normed_into(r, output);
-  return r[0];  // the new partial (an output was added)
-}
-
-static void boundary_store_into_op(at::Tensor& storage, at::Tensor& inv_storage, int64_t n,
-                                   const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
-                                   const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
-                                   const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
-  check_into("site_boundary_store_into", output, norm_weight, query);
-  auto r = site_boundary(storage, inv_storage, n, partial, output, query, gain, eps, true, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, false, true);
-  normed_into(r, output);
-}
-
-static void boundary_reuse_into_op(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
-                                   const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
-                                   const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
-                                   const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
-  check_into("site_boundary_reuse_into", output, norm_weight, query);
-  TORCH_CHECK(partial.has_value(), "site_boundary_reuse_into: a partial is needed");
-  at::Tensor s = storage, i = inv_storage;  // not written: the site does not close a block
-  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, false, norm_weight, norm_eps,
-                         query.scalar_type(), false, false, true, true);
-  if (!r[0].is_same(*partial)) partial->copy_(r[0]);  // a partial that was not contiguous
-  normed_into(r, output);
+// The ops `attnres::site_boundary[_store|_reuse][_into]` (schemas defined from Python), as compiled graphs call
+// them, with few scalars (a boxed call converts each Python scalar, ~0.15 us apiece): what the op writes is its
+// name, the mix is in the query's dtype, and only what the models read is returned (a compiled call that keeps
+// the weights or the mix runs the torch reference). `_store` (Closes) stores the block in the bank, `_reuse`
+// (Reuse) writes the new partial into `partial`, `_into` (Into) writes the normed mix over `output`: each
+// argument an op writes is one its caller no longer reads, and its schema declares the write. An op returns
+// what it wrote nowhere: `site_boundary` {the new partial, or an empty tensor where none is produced; the
+// normed mix, or the mix without a norm}, `_store` and `_reuse` the normed mix, `_into` the new partial, and
+// `_store_into` and `_reuse_into` nothing.
+template <bool Closes, bool Reuse, bool Into>
+static auto boundary_op(const at::Tensor& storage, const at::Tensor& inv_storage, int64_t n,
+                        const c10::optional<at::Tensor>& partial, const c10::optional<at::Tensor>& output,
+                        const at::Tensor& query, const c10::optional<at::Tensor>& gain, double eps,
+                        const c10::optional<at::Tensor>& norm_weight, double norm_eps) {
+  TORCH_CHECK(!Reuse || (partial.has_value() && output.has_value()),
+              "site_boundary_reuse[_into]: a partial and an output are needed");
+  if constexpr (Into) {
+    TORCH_CHECK(output.has_value() && norm_weight.has_value(),
+                "site_boundary[_store|_reuse]_into: an output and a norm weight are needed");
+    const auto normed_dtype = c10::promoteTypes(norm_weight->scalar_type(), query.scalar_type());
+    TORCH_CHECK(output->scalar_type() == normed_dtype, "site_boundary[_store|_reuse]_into: the output is ",
+                output->scalar_type(), " but the normed mix is ", normed_dtype,
+                "; call attnres::site_boundary instead");
+  }
+  at::Tensor s = storage, i = inv_storage;  // written only when the block closes
+  auto r = site_boundary(s, i, n, partial, output, query, gain, eps, Closes, norm_weight, norm_eps,
+                         query.scalar_type(), false, false, Reuse, Into);
+  if (Reuse && !r[0].is_same(*partial)) partial->copy_(r[0]);  // a partial that was not contiguous
+  if (Into && !r[2].is_same(*output)) output->copy_(r[2]);     // an output that was not contiguous
+  if constexpr (Into && (Closes || Reuse)) {
+    return;
+  } else if constexpr (Into) {
+    return r[0];  // the new partial (an output was added)
+  } else if constexpr (Closes || Reuse) {
+    return norm_weight.has_value() ? r[2] : r[1];
+  } else {
+    return std::tuple<at::Tensor, at::Tensor>(r[0].defined() ? r[0] : at::empty({0}, query.options()),
+                                              norm_weight.has_value() ? r[2] : r[1]);
+  }
 }
 
 // Registers the six ops' CPU kernels with the dispatcher (once per process): a compiled graph then calls
@@ -453,12 +404,12 @@ void register_ops() {
   static torch::Library* lib = nullptr;  // lives as long as the process
   if (lib != nullptr) return;
   lib = new torch::Library(torch::Library::IMPL, "attnres", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  lib->impl("site_boundary", TORCH_FN(boundary_op));
-  lib->impl("site_boundary_store", TORCH_FN(boundary_store_op));
-  lib->impl("site_boundary_reuse", TORCH_FN(boundary_reuse_op));
-  lib->impl("site_boundary_into", TORCH_FN(boundary_into_op));
-  lib->impl("site_boundary_store_into", TORCH_FN(boundary_store_into_op));
-  lib->impl("site_boundary_reuse_into", TORCH_FN(boundary_reuse_into_op));
+  lib->impl("site_boundary", TORCH_FN((boundary_op<false, false, false>)));
+  lib->impl("site_boundary_store", TORCH_FN((boundary_op<true, false, false>)));
+  lib->impl("site_boundary_reuse", TORCH_FN((boundary_op<false, true, false>)));
+  lib->impl("site_boundary_into", TORCH_FN((boundary_op<false, false, true>)));
+  lib->impl("site_boundary_store_into", TORCH_FN((boundary_op<true, false, true>)));
+  lib->impl("site_boundary_reuse_into", TORCH_FN((boundary_op<false, true, true>)));
 }
 
 // `depth_attention.mix_site`: the boundary without an output to add, a block to close or a norm.
