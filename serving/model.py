@@ -189,7 +189,7 @@ class AttnResDecoderLayer(nn.Module):
         h = self.self_attn(positions=positions, hidden_states=b.normed)
         b = boundary(b.bank, b.partial, h, self.mlp_res_proj, self.mlp_res_norm, self.mlp_closes_block,
                      self.post_attention_layernorm, owned)
-        del h                                  # in the partial now; its memory holds the MLP's input
+        del h                                  # in the partial now (on a CPU its memory holds the MLP's input)
         return b.bank, b.partial, self.mlp(b.normed)
 
 
