@@ -119,6 +119,14 @@ static void partial_moments(const acc_t* base, const T* o, const acc_t* q, int64
   ss = lanes_total(ss_);
 }
 
+// f(std::integral_constant<int, r>{}) for r in [1, 4): a token's rows past its last group of four, in one pass.
+template <typename F>
+static inline void with_rest(int64_t r, F&& f) {
+  if (r == 1) f(std::integral_constant<int, 1>{});
+  else if (r == 2) f(std::integral_constant<int, 2>{});
+  else if (r == 3) f(std::integral_constant<int, 3>{});
+}
+
 // One token: softmax over the scores of the n stored rows (row stride d, read as acc_t, times their
 // inverse RMS) and of the partial (from its moments sp = p.q, ss = p.p); the weights go to w[0..n] (the
 // partial's last). `ahead`: the prefetch distance of `dots` (0: none).
@@ -130,10 +138,10 @@ static void softmax_weights(const src_t* S, const acc_t* inv, acc_t sp, acc_t ss
     const src_t* rows[4] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d, S + (i + 3) * d};
     dots<4>(rows, q, d, w + i, ahead);
   }
-  for (; i < n; ++i) {
-    const src_t* rows[1] = {S + i * d};
-    dots<1>(rows, q, d, w + i, ahead);
-  }
+  with_rest(n - i, [&](auto R) {
+    const src_t* rows[3] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d};
+    dots<R()>(rows, q, d, w + i, ahead);
+  });
   w[n] = sp / std::sqrt(ss / d + eps);
   acc_t m = w[n];
   for (i = 0; i < n; ++i) { w[i] *= inv[i]; m = std::max(m, w[i]); }
@@ -142,42 +150,44 @@ static void softmax_weights(const src_t* S, const acc_t* inv, acc_t sp, acc_t ss
   for (i = 0; i <= n; ++i) w[i] /= z;
 }
 
-// mix = (mix, or wp * p on the first pass) + the R rows times their weights, in that order; one pass over mix.
-template <int R, typename acc_t, typename src_t>
+// v = (mix, or wp * p on the first pass) + the R rows times their weights, in that order, for each element:
+// into mix, or (a type Round) rounded to Round into y as float32, what the norm reads. One pass over mix.
+template <int R, typename Round, typename acc_t, typename src_t>
 static inline void add_rows(const src_t* const* rows, const acc_t* ws, const acc_t* p, acc_t wp, bool first,
-                            int64_t d, acc_t* mix) {
+                            int64_t d, acc_t* mix, float* y) {
 #pragma omp simd
   for (int64_t j = 0; j < d; ++j) {
     acc_t v = first ? wp * p[j] : mix[j];
     for (int r = 0; r < R; ++r) v = v + ws[r] * static_cast<acc_t>(rows[r][j]);
-    mix[j] = v;
+    if constexpr (std::is_void_v<Round>) mix[j] = v;
+    else y[j] = static_cast<float>(to<Round>(v));
   }
 }
 
-// The weighted sum of p and the rows into mix[0..d), four rows per pass over mix (the sum's order unchanged);
-// the rows of a token are still cached from the scores.
-template <typename acc_t, typename src_t>
-static void weighted_sum(const src_t* S, const acc_t* p, const acc_t* w, int64_t n, int64_t d, acc_t* mix) {
+// The weighted sum of p and the rows, four rows per pass over mix[0..d) and the rest in one (the sum's order
+// unchanged); the rows of a token are still cached from the scores. The last pass writes the sum into mix, or
+// with a type Round, rounded into y (`add_rows`).
+template <typename Round, typename acc_t, typename src_t>
+static void weighted_sum(const src_t* S, const acc_t* p, const acc_t* w, int64_t n, int64_t d, acc_t* mix, float* y) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     const src_t* rows[4] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d, S + (i + 3) * d};
-    add_rows<4>(rows, w + i, p, w[n], i == 0, d, mix);
+    if (i + 4 < n) add_rows<4, void>(rows, w + i, p, w[n], i == 0, d, mix, y);
+    else add_rows<4, Round>(rows, w + i, p, w[n], i == 0, d, mix, y);
   }
-  for (; i < n; ++i) {
-    const src_t* rows[1] = {S + i * d};
-    add_rows<1>(rows, w + i, p, w[n], i == 0, d, mix);
-  }
-  if (n == 0) add_rows<0, acc_t, src_t>(nullptr, w, p, w[n], true, d, mix);
+  with_rest(n - i, [&](auto R) {
+    const src_t* rows[3] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d};
+    add_rows<R(), Round>(rows, w + i, p, w[n], i == 0, d, mix, y);
+  });
+  if (n == 0) add_rows<0, Round, acc_t, src_t>(nullptr, w, p, w[n], true, d, mix, y);
 }
 
 // The next sublayer's RMSNorm of one token's mix, rounded as transformers' `LlamaRMSNorm`, in two steps.
-// `rms_row`: y = the mix rounded to T (the model's dtype), as float32; returns 1 / sqrt(mean(y^2) + eps),
-// the float32 squares summed in double so that the mean rounds as torch's near-exact one. The rounding and
-// the double sum are separate loops: GCC does not vectorize them as one (a boundary took 1.7x as long).
-template <typename T, typename acc_t>
-static float rms_row(const acc_t* mix, int64_t d, float eps, float* y) {
-#pragma omp simd
-  for (int64_t j = 0; j < d; ++j) y[j] = static_cast<float>(to<T>(mix[j]));
+// `rms_row`: given y = the mix rounded to the model's dtype, as float32 (written by the weighted sum's last
+// pass, which saves a pass over the mix), 1 / sqrt(mean(y^2) + eps), the float32 squares summed in double so
+// that the mean rounds as torch's near-exact one. The rounding and the double sum stay separate loops: GCC
+// does not vectorize them as one (a boundary took 1.7-2.2x as long).
+static float rms_row(const float* y, int64_t d, float eps) {
   double ss_[kLanes] = {};
   over_lanes(d, [&](int64_t j, int64_t k) { ss_[k] += static_cast<double>(y[j] * y[j]); });
   return 1.0f / std::sqrt(static_cast<float>(lanes_total(ss_) / d) + eps);
@@ -320,20 +330,26 @@ std::vector<at::Tensor> site_boundary(at::Tensor& storage, at::Tensor& inv_stora
           softmax_weights<acc_t, src_t>(S_ + t * C * d, inv_ + t * C, sp, ss, q.data(), n, d, (acc_t)eps, w.data(),
                                         t + 1 < end ? C * d : 0);
           if (w_out) std::copy(w.begin(), w.end(), w_out + t * (n + 1));
-          weighted_sum<acc_t, src_t>(S_ + t * C * d, p, w.data(), n, d, mix.data());
-          if (closes_block) push_token<acc_t, src_t>(p, d, (acc_t)eps, S_ + (t * C + n) * d, inv_ + t * C + n);
-          if (write_mix) {
-            with_dtype(dtype, [&](auto tag) {  // the mix in `dtype`
+          const src_t* S_t = S_ + t * C * d;
+          if (write_mix) {  // the mix in `dtype`
+            weighted_sum<void>(S_t, p, w.data(), n, d, mix.data(), nullptr);
+            with_dtype(dtype, [&](auto tag) {
               using T = decltype(tag);
               T* m = mixed.data_ptr<T>() + t * d;
 _Pragma("omp simd")
               for (int64_t j = 0; j < d; ++j) m[j] = to<T>(mix[j]);
+              if (has_norm) add_rows<0, T, acc_t, src_t>(nullptr, w.data(), mix.data(), 1, true, d, nullptr, y.data());
+            });                                                   // (1 * mix rounded into y, what the norm reads)
+          } else if (has_norm) {  // the mix rounded to `dtype` straight into y by the sum's last pass
+            with_dtype(dtype, [&](auto tag) {
+              weighted_sum<decltype(tag)>(S_t, p, w.data(), n, d, mix.data(), y.data());
             });
           }
+          if (closes_block) push_token<acc_t, src_t>(p, d, (acc_t)eps, S_ + (t * C + n) * d, inv_ + t * C + n);
           if (!has_norm) continue;
-          with_dtype(dtype, [&](auto tag) {  // the norm reads the mix rounded to `dtype`, as float32
+          with_dtype(dtype, [&](auto tag) {  // the norm, float32 whatever the dtype
             using T = decltype(tag);
-            const float rs = rms_row<T, acc_t>(mix.data(), d, neps, y.data());
+            const float rs = rms_row(y.data(), d, neps);
             with_dtype(norm_dtype, [&](auto out_tag) {  // times the weight, in the promoted dtype
               using To = decltype(out_tag);
               To* o = normed.data_ptr<To>() + t * d;
