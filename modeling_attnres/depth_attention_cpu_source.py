@@ -139,7 +139,8 @@ static void softmax_weights(const src_t* S, const acc_t* inv, acc_t sp, acc_t ss
     dots<4>(rows, q, d, w + i, ahead);
   }
   with_rest(n - i, [&](auto R) {
-    const src_t* rows[3] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d};
+    const src_t* rows[R()];
+    for (int k = 0; k < R(); ++k) rows[k] = S + (i + k) * d;
     dots<R()>(rows, q, d, w + i, ahead);
   });
   w[n] = sp / std::sqrt(ss / d + eps);
@@ -176,7 +177,8 @@ static void weighted_sum(const src_t* S, const acc_t* p, const acc_t* w, int64_t
     else add_rows<4, Round>(rows, w + i, p, w[n], i == 0, d, mix, y);
   }
   with_rest(n - i, [&](auto R) {
-    const src_t* rows[3] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d};
+    const src_t* rows[R()];
+    for (int k = 0; k < R(); ++k) rows[k] = S + (i + k) * d;
     add_rows<R(), Round>(rows, w + i, p, w[n], i == 0, d, mix, y);
   });
   if (n == 0) add_rows<0, Round, acc_t, src_t>(nullptr, w, p, w[n], true, d, mix, y);
