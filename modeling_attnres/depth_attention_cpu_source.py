@@ -119,12 +119,19 @@ static void partial_moments(const acc_t* base, const T* o, const acc_t* q, int64
   ss = lanes_total(ss_);
 }
 
-// f(std::integral_constant<int, r>{}) for r in [1, 4): a token's rows past its last group of four, in one pass.
-template <typename F>
-static inline void with_rest(int64_t r, F&& f) {
-  if (r == 1) f(std::integral_constant<int, 1>{});
-  else if (r == 2) f(std::integral_constant<int, 2>{});
-  else if (r == 3) f(std::integral_constant<int, 3>{});
+// f(i, rows, std::integral_constant<int, r>{}) for each group of a token's n rows (row stride d), rows
+// [i, i + r) in order: groups of four, then the rest (r in [1, 4]), each group done in one pass.
+template <typename src_t, typename F>
+static inline void row_groups(const src_t* S, int64_t n, int64_t d, F&& f) {
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t r = std::min<int64_t>(4, n - i);
+    const src_t* rows[4];
+    for (int64_t k = 0; k < r; ++k) rows[k] = S + (i + k) * d;
+    if (r == 4) f(i, rows, std::integral_constant<int, 4>{});
+    else if (r == 3) f(i, rows, std::integral_constant<int, 3>{});
+    else if (r == 2) f(i, rows, std::integral_constant<int, 2>{});
+    else f(i, rows, std::integral_constant<int, 1>{});
+  }
 }
 
 // One token: softmax over the scores of the n stored rows (row stride d, read as acc_t, times their
@@ -133,22 +140,13 @@ static inline void with_rest(int64_t r, F&& f) {
 template <typename acc_t, typename src_t>
 static void softmax_weights(const src_t* S, const acc_t* inv, acc_t sp, acc_t ss, const acc_t* q, int64_t n,
                             int64_t d, acc_t eps, acc_t* w, int64_t ahead) {
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const src_t* rows[4] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d, S + (i + 3) * d};
-    dots<4>(rows, q, d, w + i, ahead);
-  }
-  with_rest(n - i, [&](auto R) {
-    const src_t* rows[R()];
-    for (int k = 0; k < R(); ++k) rows[k] = S + (i + k) * d;
-    dots<R()>(rows, q, d, w + i, ahead);
-  });
+  row_groups(S, n, d, [&](int64_t i, const src_t* const* rows, auto R) { dots<R()>(rows, q, d, w + i, ahead); });
   w[n] = sp / std::sqrt(ss / d + eps);
   acc_t m = w[n];
-  for (i = 0; i < n; ++i) { w[i] *= inv[i]; m = std::max(m, w[i]); }
+  for (int64_t i = 0; i < n; ++i) { w[i] *= inv[i]; m = std::max(m, w[i]); }
   acc_t z = 0;
-  for (i = 0; i <= n; ++i) { w[i] = std::exp(w[i] - m); z += w[i]; }
-  for (i = 0; i <= n; ++i) w[i] /= z;
+  for (int64_t i = 0; i <= n; ++i) { w[i] = std::exp(w[i] - m); z += w[i]; }
+  for (int64_t i = 0; i <= n; ++i) w[i] /= z;
 }
 
 // v = (mix, or wp * p on the first pass) + the R rows times their weights, in that order, for each element:
@@ -165,21 +163,14 @@ static inline void add_rows(const src_t* const* rows, const acc_t* ws, const acc
   }
 }
 
-// The weighted sum of p and the rows, four rows per pass over mix[0..d) and the rest in one (the sum's order
+// The weighted sum of p and the rows, a group of up to four rows per pass over mix[0..d) (the sum's order
 // unchanged); the rows of a token are still cached from the scores. The last pass writes the sum into mix, or
 // with a type Round, rounded into y (`add_rows`).
 template <typename Round, typename acc_t, typename src_t>
 static void weighted_sum(const src_t* S, const acc_t* p, const acc_t* w, int64_t n, int64_t d, acc_t* mix, float* y) {
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const src_t* rows[4] = {S + i * d, S + (i + 1) * d, S + (i + 2) * d, S + (i + 3) * d};
-    if (i + 4 < n) add_rows<4, void>(rows, w + i, p, w[n], i == 0, d, mix, y);
-    else add_rows<4, Round>(rows, w + i, p, w[n], i == 0, d, mix, y);
-  }
-  with_rest(n - i, [&](auto R) {
-    const src_t* rows[R()];
-    for (int k = 0; k < R(); ++k) rows[k] = S + (i + k) * d;
-    add_rows<R(), Round>(rows, w + i, p, w[n], i == 0, d, mix, y);
+  row_groups(S, n, d, [&](int64_t i, const src_t* const* rows, auto R) {
+    if (i + R() < n) add_rows<R(), void>(rows, w + i, p, w[n], i == 0, d, mix, y);
+    else add_rows<R(), Round>(rows, w + i, p, w[n], i == 0, d, mix, y);
   });
   if (n == 0) add_rows<0, Round, acc_t, src_t>(nullptr, w, p, w[n], true, d, mix, y);
 }
