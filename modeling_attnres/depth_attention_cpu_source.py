@@ -329,10 +329,14 @@ std::vector<at::Tensor> site_boundary(at::Tensor& storage, at::Tensor& inv_stora
             with_dtype(dtype, [&](auto tag) {
               using T = decltype(tag);
               T* m = mixed.data_ptr<T>() + t * d;
+              float* y_ = has_norm ? y.data() : nullptr;  // the rounded mix is also what the norm reads
 _Pragma("omp simd")
-              for (int64_t j = 0; j < d; ++j) m[j] = to<T>(mix[j]);
-              if (has_norm) add_rows<0, T, acc_t, src_t>(nullptr, w.data(), mix.data(), 1, true, d, nullptr, y.data());
-            });                                                   // (1 * mix rounded into y, what the norm reads)
+              for (int64_t j = 0; j < d; ++j) {
+                const T r = to<T>(mix[j]);
+                m[j] = r;
+                if (y_) y_[j] = static_cast<float>(r);
+              }
+            });
           } else if (has_norm) {  // the mix rounded to `dtype` straight into y by the sum's last pass
             with_dtype(dtype, [&](auto tag) {
               weighted_sum<decltype(tag)>(S_t, p, w.data(), n, d, mix.data(), y.data());
