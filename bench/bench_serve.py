@@ -5,14 +5,18 @@ the same-weights Llama, both served by `attnres-serve` with identical flags, wit
     python bench/bench_serve.py --smollm2 --compilations serve --concurrency 1 16 --num-prompts 64
     python bench/bench_serve.py --hidden-size 256 --num-hidden-layers 4   # random weights, character tokenizer
 
-For each compilation, four servers run one after the other, never two at once (they would share the
-cores): AttnRes, Llama, Llama, AttnRes (A B B A). Each is started with `attnres.serving.launcher.
-ServerProcess`, warmed up and measured at every `--concurrency` level by `attnres-vllm bench serve`
-(vLLM's client: the random dataset with fixed input and output lengths, EOS ignored, `--seed` fixed so
-that every server gets the same prompts, requests sent at once and held to the concurrency level),
-then stopped. The pairs are (1st AttnRes, 1st Llama) and (2nd Llama, 2nd AttnRes), each measured
-back to back; the two Llama servers, also back to back, are the A/A control, printed next to every
-ratio. Every run must complete all its requests with the same input and output token counts.
+For each compilation, three servers are started one after the other and stay up: AttnRes, Llama, and a
+second Llama on the same checkpoint (the A/A control), each with `attnres.serving.launcher.ServerProcess`
+(an idle vLLM server takes no CPU to speak of, and only one server has requests at a time). Then, in each
+of `--repeats` rounds and at every `--concurrency` level, `attnres-vllm bench serve` (vLLM's client: the
+random dataset with fixed input and output lengths, EOS ignored, requests sent at once and held to the
+concurrency level) measures the three servers one after the other in a rotating order (`common.rotation`:
+each runs first equally often), with that round's prompts (`--seed` plus the round: fresh prompts every
+round, the same for the three servers). A first round, not timed, warms every server up at every level.
+Each round gives one AttnRes/Llama ratio and one A/A ratio (the second Llama over the first) per metric,
+measured seconds apart rather than a server start apart (the machine's speed drifts by 10-20 % over
+minutes, and the ratios between servers measured minutes apart moved by 5-23 %). Every run must complete
+all its requests with the same input and output token counts as the other two servers of its round.
 
 Compilations: `serve` is what `make serve` runs (`--compilation-config '{"mode": 2, "backend":
 "eager"}'`: Dynamo traces, no Inductor); `full` is vLLM's default compilation (Inductor; CUDA graphs on
@@ -27,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,14 +45,16 @@ from common import (  # noqa: E402
     footer,
     header,
     markdown_table,
+    rotation,
     run_logged,
+    spread,
 )
 
 COMPILATIONS = {"serve": ["--compilation-config", '{"mode": 2, "backend": "eager"}'], "full": [],
                 "eager": ["--enforce-eager"]}
 COMPILATION_NAMES = {"serve": 'make serve\'s ({"mode": 2, "backend": "eager"})',
                      "full": "vLLM's default (Inductor)", "eager": "none (--enforce-eager)"}
-ORDER = ("attnres", "llama", "llama", "attnres")                      # A B B A
+RUNNERS = {"attnres": "attnres", "llama": "llama", "llama-aa": "llama"}   # server -> checkpoint
 METRICS = {"duration": "duration", "TTFT": "median_ttft_ms", "TPOT": "median_tpot_ms"}   # times: lower is better
 SERVED_NAME = "bench"
 
@@ -95,13 +102,13 @@ def server_args(args, path: Path, compilation: str) -> list[str]:
     return [str(path), *common_flags(args), *COMPILATIONS[compilation]]
 
 
-def client(args, server, tokenizer: Path, concurrency: int, out_dir: Path, name: str) -> dict:
-    """One `attnres-vllm bench serve` run at `concurrency`; its saved JSON result."""
+def client(args, server, tokenizer: Path, concurrency: int, seed: int, out_dir: Path, name: str) -> dict:
+    """One `attnres-vllm bench serve` run at `concurrency` with the prompts of `seed`; its saved JSON result."""
     cmd = [str(vllm_cli()), "bench", "serve", "--backend", "openai", "--base-url", server.url, "--endpoint",
            "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(tokenizer), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(args.num_prompts),
-           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(args.seed),
+           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
            "--num-warmups", str(concurrency), "--temperature", "0", "--disable-tqdm", "--save-result",
            "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
     code = run_logged(cmd, out_dir / f"{name}.client.log", timeout=args.client_timeout)
@@ -116,45 +123,52 @@ def client(args, server, tokenizer: Path, concurrency: int, out_dir: Path, name:
     return data
 
 
-def serve_round(args, paths: dict[str, Path], compilation: str, out_dir: Path) -> tuple[list[dict], list[float]]:
-    """The four servers of one compilation, A B B A: per server its results by concurrency level."""
+def start_servers(args, paths: dict[str, Path], compilation: str, out_dir: Path, stack: ExitStack) -> dict:
+    """The three servers of one compilation, each started alone on the cores and left up (`stack` stops them)."""
     from attnres.serving.launcher import ServerProcess
 
-    runs, startups = [], []
-    for position, kind in enumerate(ORDER):
-        name = f"{compilation}-{position}-{kind}"
-        server = ServerProcess(server_args(args, paths[kind], compilation), startup_timeout=args.startup_timeout,
-                               log_path=out_dir / f"{name}.server.log")
-        with server:
-            startups.append(server.startup_seconds)
-            runs.append({c: client(args, server, paths[kind], c, out_dir, f"{name}-c{c}") for c in args.concurrency})
-    for c in args.concurrency:
-        check_equal_work({f"{ORDER[i]} #{i}": (r[c]["total_input_tokens"], r[c]["total_output_tokens"])
-                          for i, r in enumerate(runs)}, f"{compilation}, concurrency {c}")
-    return runs, startups
+    servers = {}
+    for name, checkpoint in RUNNERS.items():
+        server = ServerProcess(server_args(args, paths[checkpoint], compilation), startup_timeout=args.startup_timeout,
+                               log_path=out_dir / f"{compilation}-{name}.server.log")
+        servers[name] = stack.enter_context(server)
+    return servers
 
 
-def ratio_cell(values: list[float]) -> str:
-    return f"**{statistics.median(values):.3f}** ({min(values):.3f}-{max(values):.3f})"
+def measure(args, servers: dict, paths: dict[str, Path], compilation: str, out_dir: Path) -> tuple[dict, list]:
+    """Per concurrency level, one `{server: result}` per timed round (round 0, the warm-up, is dropped), and
+    the order the servers ran in, per round."""
+    rounds, orders = {c: [] for c in args.concurrency}, []
+    for repeat in range(args.repeats + 1):
+        orders.append(rotation(list(RUNNERS), repeat))
+        for c in args.concurrency:
+            results = {}
+            for name in orders[-1]:
+                results[name] = client(args, servers[name], paths[RUNNERS[name]], c, args.seed + repeat, out_dir,
+                                       f"{compilation}-r{repeat}-c{c}-{name}")
+            check_equal_work({n: (r["total_input_tokens"], r["total_output_tokens"]) for n, r in results.items()},
+                             f"{compilation}, round {repeat}, concurrency {c}")
+            if repeat:
+                rounds[c].append(results)
+    return rounds, orders
 
 
-def rows_for(args, compilation: str, runs: list[dict]) -> list[list]:
+def rows_for(args, compilation: str, rounds: dict[int, list[dict]]) -> list[list]:
     """Per concurrency level: throughput, the paired AttnRes/Llama ratios and the A/A beside them."""
-    a1, b1, b2, a2 = runs
     rows = []
-    for c in args.concurrency:
-        def value(run, metric, c=c):
-            return run[c][METRICS[metric]]
+    for c, results in rounds.items():
+        def ratios(subject: str, metric: str) -> list[float]:
+            return [r[subject][METRICS[metric]] / r["llama"][METRICS[metric]] for r in results]
 
-        pairs = {m: [value(a1, m) / value(b1, m), value(a2, m) / value(b2, m)] for m in METRICS}
-        aa = {m: value(b2, m) / value(b1, m) for m in METRICS}
-        first = a1[c]
+        def throughput(name: str) -> str:
+            return f"{statistics.median(r[name]['output_throughput'] for r in results):.1f}"
+
+        first = results[0]["attnres"]
         rows.append([COMPILATION_NAMES[compilation], c,
                      f"{args.num_prompts} x {first['total_input_tokens'] // args.num_prompts} / "
-                     f"{first['total_output_tokens'] // args.num_prompts}",
-                     f"{statistics.median([a1[c]['output_throughput'], a2[c]['output_throughput']]):.1f}",
-                     f"{statistics.median([b1[c]['output_throughput'], b2[c]['output_throughput']]):.1f}",
-                     *(ratio_cell(pairs[m]) for m in METRICS), ", ".join(f"{aa[m]:.3f}" for m in METRICS)])
+                     f"{first['total_output_tokens'] // args.num_prompts}", throughput("attnres"), throughput("llama"),
+                     *(spread(ratios(name, m)) for m in METRICS for name in ("attnres", "llama-aa")),
+                     len(results)])
     return rows
 
 
@@ -167,12 +181,15 @@ def parse_args(argv=None):
     parser.add_argument("--num-prompts", type=int, default=64, help="requests per level and server")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="round r's prompts come from seed + r")
+    parser.add_argument("--repeats", type=int, default=6, help="timed rounds (after one untimed round)")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--kv-cache-bytes", type=int, help="--kv-cache-memory-bytes (default: attnres-serve's)")
     parser.add_argument("--startup-timeout", type=float, default=1200)
     parser.add_argument("--client-timeout", type=float, default=1800)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1 timed round is needed (6 give each server first twice)")
     check_model_arguments(parser, args)
     return args
 
@@ -180,25 +197,33 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     vllm_cli()
-    rows, startups = [], {}
+    rows, startups, orders = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="attnres-bench-serve-") as tmp:
         root = Path(tmp)
         args.max_positions = args.input_len + args.output_len + 16
         paths = write_models(args, root)
         for compilation in args.compilations:
-            runs, startups[compilation] = serve_round(args, paths, compilation, root)
-            rows += rows_for(args, compilation, runs)
+            with ExitStack() as stack:
+                servers = start_servers(args, paths, compilation, root, stack)
+                startups[compilation] = [server.startup_seconds for server in servers.values()]
+                rounds, orders[compilation] = measure(args, servers, paths, compilation, root)
+                rows += rows_for(args, compilation, rounds)
     settings = {"server": f"attnres-serve CHECKPOINT {' '.join(common_flags(args))} and the compilation of the row",
                 "client": f"attnres-vllm bench serve, random dataset, {args.input_len} in / {args.output_len} out, "
                           f"--ignore-eos, --request-rate inf with --max-concurrency as in the table, "
-                          f"{args.num_prompts} prompts, --seed {args.seed}, warm-up requests as many as clients",
-                "order": "AttnRes, Llama, Llama, AttnRes per compilation, one server at a time"}
+                          f"{args.num_prompts} prompts, --seed {args.seed} + the round, warm-up requests as many as "
+                          "clients",
+                "order": f"AttnRes, Llama, Llama (A/A) servers up together; {args.repeats} timed rounds after one "
+                         "untimed, the three measured one after the other in a rotating order"}
     print(header(f"attnres-serve under vLLM's client, AttnRes / Llama: {describe(args)}", settings) + "\n")
     print(markdown_table(["compilation", "clients", "requests x tokens in / out (checked equal)", "AttnRes tok/s",
-                          "Llama tok/s", "duration AttnRes / Llama (2 pairs)", "median TTFT AttnRes / Llama",
-                          "median TPOT AttnRes / Llama", "A/A, Llama 2nd / 1st: duration, TTFT, TPOT"], rows))
-    print("\nserver start-up to healthy, in order A B B A: " + "; ".join(
+                          "Llama tok/s", *(f"{m}: {side}" for m in ("duration", "median TTFT", "median TPOT")
+                                           for side in ("AttnRes / Llama (median, min-max)", "A/A")), "rounds"], rows))
+    print("\nserver start-up to healthy, AttnRes, Llama, Llama (A/A): " + "; ".join(
         f"{COMPILATION_NAMES[c]}: " + ", ".join(f"{s:.0f} s" for s in v) for c, v in startups.items()))
+    print("running order by round (round 0 untimed): " + "; ".join(
+        f"{COMPILATION_NAMES[c]}: " + ", ".join(f"{i}: {' '.join(o)}" for i, o in enumerate(v))
+        for c, v in orders.items()))
     print(footer())
 
 

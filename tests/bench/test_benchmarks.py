@@ -345,19 +345,27 @@ def test_bench_vllm_compares_the_transformers_backend_with_the_plugin():
 
 
 @pytest.mark.timeout(900)
-def test_bench_serve_runs_vllm_bench_serve_against_a_b_b_a_servers():
+def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with_an_aa_control():
+    """AttnRes, Llama and a second Llama (the A/A control) stay up; each round measures the three with vLLM's
+    client in a rotating order, after one untimed round, and each ratio comes with the A/A's."""
     out = run("bench_serve.py", *TINY, "--compilations", "eager", "--concurrency", "2", "--num-prompts", "2",
               "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
-              timeout=840)
-    assert_header(out, "--no-enable-prefix-caching", "attnres-vllm bench serve", "AttnRes, Llama, Llama, AttnRes")
+              "--repeats", "1", timeout=840)
+    assert_header(out, "--no-enable-prefix-caching", "attnres-vllm bench serve", "servers up together",
+                  "1 timed rounds after one untimed")
     (rows,) = tables(out)
     (row,) = rows
     assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 4", row
+    assert row["rounds"] == "1", row
     for name in ("duration", "median TTFT", "median TPOT"):
-        spread(column(row, name))
-    aa = [float(x) for x in column(row, "A/A").split(", ")]
-    assert len(aa) == 3 and all(math.isfinite(x) and x > 0 for x in aa), row
-    assert re.search(r"in order A B B A: none \(--enforce-eager\): \d+ s, \d+ s, \d+ s, \d+ s", out), out
+        spread(row[f"{name}: AttnRes / Llama (median, min-max)"]), spread(row[f"{name}: A/A"])
+    assert re.search(r"AttnRes, Llama, Llama \(A/A\): none \(--enforce-eager\): \d+ s, \d+ s, \d+ s", out), out
+    # the order the clients ran in: every server in every round, a different one first in round 1
+    order = re.search(r"running order by round \(round 0 untimed\): none \(--enforce-eager\): 0: (.+), 1: (.+)$",
+                      out, re.M)
+    assert order, out
+    first, second = order.group(1).split(), order.group(2).split()
+    assert sorted(first) == sorted(second) == ["attnres", "llama", "llama-aa"] and first[0] != second[0], order
 
 
 @pytest.mark.timeout(660)
