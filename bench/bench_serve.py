@@ -3,6 +3,7 @@ the same-weights Llama, both served by `attnres-serve` with identical flags, wit
 
     python bench/bench_serve.py --smollm2                          # real weights, both compilations
     python bench/bench_serve.py --smollm2 --compilations serve --concurrency 1 16 --num-prompts 64
+    python bench/bench_serve.py --smollm2 --compilations serve --norms vllm-c   # against Llama with C++ norms
     python bench/bench_serve.py --hidden-size 256 --num-hidden-layers 4   # random weights, character tokenizer
 
 For each compilation, three servers are started one after the other and stay up: AttnRes, Llama, and a
@@ -17,6 +18,11 @@ Each round gives one AttnRes/Llama ratio and one A/A ratio (the second Llama ove
 measured seconds apart rather than a server start apart (the machine's speed drifts by 10-20 % over
 minutes, and the ratios between servers measured minutes apart moved by 5-23 %). Every run must complete
 all its requests with the same input and output token counts as the other two servers of its round.
+
+`--norms vllm-c` runs every server's vLLM RMSNorm layers on vLLM's C++ kernels, as `bench_vllm.py --norms
+vllm-c` does for its engines: without Inductor (`serve`, `eager`) vLLM's Llama runs each residual add and
+norm as separate torch operations on a CPU, where AttnRes runs one C++ call per boundary, so the default
+compares against Llama as users run it and `vllm-c` measures what AttnRes itself costs.
 
 Compilations: `serve` is what `make serve` runs (`--compilation-config '{"mode": 2, "backend":
 "eager"}'`: Dynamo traces, no Inductor); `full` is vLLM's default compilation (Inductor; CUDA graphs on
@@ -57,6 +63,12 @@ COMPILATION_NAMES = {"serve": 'make serve\'s ({"mode": 2, "backend": "eager"})',
 RUNNERS = {"attnres": "attnres", "llama": "llama", "llama-aa": "llama"}   # server -> checkpoint
 METRICS = {"duration": "duration", "TTFT": "median_ttft_ms", "TPOT": "median_tpot_ms"}   # times: lower is better
 SERVED_NAME = "bench"
+BENCH_DIR = Path(__file__).resolve().parent
+# `--norms vllm-c`: bench_vllm's registration of vLLM's C++ RMSNorm kernels, run in every process of every
+# server by a vLLM general plugin that `norms_plugin` writes (vLLM loads those in each of its processes).
+NORMS = {"vllm-default": "vLLM's own choice (on a CPU: native torch ops, which only Inductor fuses)",
+         "vllm-c": "vLLM's C++ rms_norm / fused_add_rms_norm kernels for every server's vLLM RMSNorm"}
+C_NORMS_PRIORITY = ["attnres_bench_c", "vllm_c", "native"]        # bench_vllm.C_NORMS first
 
 
 def vllm_cli() -> Path:
@@ -99,7 +111,25 @@ def common_flags(args) -> list[str]:
 
 def server_args(args, path: Path, compilation: str) -> list[str]:
     """The same flags for every server; only the checkpoint differs."""
-    return [str(path), *common_flags(args), *COMPILATIONS[compilation]]
+    norms = []
+    if args.norms == "vllm-c":
+        priority = {"rms_norm": C_NORMS_PRIORITY, "fused_add_rms_norm": C_NORMS_PRIORITY}
+        norms = ["--kernel-config", json.dumps({"ir_op_priority": priority})]
+    return [str(path), *common_flags(args), *norms, *COMPILATIONS[compilation]]
+
+
+def norms_plugin(root: Path) -> dict[str, str]:
+    """The environment that gives every process of a server `bench_vllm.register_c_norms` (`--norms vllm-c`): a
+    vLLM general plugin, a module and its package metadata in `root`, which Python finds through PYTHONPATH."""
+    (root / "attnres_bench_norms.py").write_text(
+        f"import sys\n\nsys.path.insert(0, {str(BENCH_DIR)!r})\n\n\n"
+        "def register():\n    from bench_vllm import register_c_norms\n\n    register_c_norms()\n")
+    info = root / "attnres_bench_norms-0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: attnres-bench-norms\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nattnres_bench_norms = attnres_bench_norms:register\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
 
 
 def client(args, server, tokenizer: Path, concurrency: int, seed: int, out_dir: Path, name: str) -> dict:
@@ -127,10 +157,12 @@ def start_servers(args, paths: dict[str, Path], compilation: str, out_dir: Path,
     """The three servers of one compilation, each started alone on the cores and left up (`stack` stops them)."""
     from attnres.serving.launcher import ServerProcess
 
+    env = norms_plugin(out_dir) if args.norms == "vllm-c" else None
     servers = {}
     for name, checkpoint in RUNNERS.items():
-        server = ServerProcess(server_args(args, paths[checkpoint], compilation), startup_timeout=args.startup_timeout,
-                               log_path=out_dir / f"{compilation}-{name}.server.log")
+        log = out_dir / f"{compilation}-{name}.server.log"
+        server = ServerProcess(server_args(args, paths[checkpoint], compilation), env=env,
+                               startup_timeout=args.startup_timeout, log_path=log)
         servers[name] = stack.enter_context(server)
     return servers
 
@@ -185,6 +217,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=6, help="timed rounds (after one untimed round)")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--kv-cache-bytes", type=int, help="--kv-cache-memory-bytes (default: attnres-serve's)")
+    parser.add_argument("--norms", choices=list(NORMS), default="vllm-default",
+                        help="vllm-c: every server's vLLM RMSNorm layers on vLLM's C++ kernels (as bench_vllm.py's), "
+                             "so that the ratio is what AttnRes itself costs, not that plus Llama's unfused norms")
     parser.add_argument("--startup-timeout", type=float, default=1200)
     parser.add_argument("--client-timeout", type=float, default=1800)
     args = parser.parse_args(argv)
@@ -213,6 +248,7 @@ def main(argv=None) -> None:
                           f"--ignore-eos, --request-rate inf with --max-concurrency as in the table, "
                           f"{args.num_prompts} prompts, --seed {args.seed} + the round, warm-up requests as many as "
                           "clients",
+                "norms": NORMS[args.norms],
                 "order": f"AttnRes, Llama, Llama (A/A) servers up together; {args.repeats} timed rounds after one "
                          "untimed, the three measured one after the other in a rotating order"}
     print(header(f"attnres-serve under vLLM's client, AttnRes / Llama: {describe(args)}", settings) + "\n")

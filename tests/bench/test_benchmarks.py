@@ -347,12 +347,14 @@ def test_bench_vllm_compares_the_transformers_backend_with_the_plugin():
 @pytest.mark.timeout(900)
 def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with_an_aa_control():
     """AttnRes, Llama and a second Llama (the A/A control) stay up; each round measures the three with vLLM's
-    client in a rotating order, after one untimed round, and each ratio comes with the A/A's."""
+    client in a rotating order, after one untimed round, and each ratio comes with the A/A's. With `--norms
+    vllm-c` every server's processes load the plugin that registers vLLM's C++ norms (a server whose plugin
+    fails does not start)."""
     out = run("bench_serve.py", *TINY, "--compilations", "eager", "--concurrency", "2", "--num-prompts", "2",
               "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
-              "--repeats", "1", timeout=840)
+              "--repeats", "1", "--norms", "vllm-c", timeout=840)
     assert_header(out, "--no-enable-prefix-caching", "attnres-vllm bench serve", "servers up together",
-                  "1 timed rounds after one untimed")
+                  "1 timed rounds after one untimed", "vLLM's C++ rms_norm")
     (rows,) = tables(out)
     (row,) = rows
     assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 4", row
