@@ -41,6 +41,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# `--norms vllm-c` as bench_vllm.py's: its C++ norms, registered in every process of every server by a vLLM
+# general plugin that `norms_plugin` writes (vLLM loads those in each of its processes).
+from bench_vllm import NORMS, c_norms_kernel_config  # noqa: E402
 from common import (  # noqa: E402
     add_model_arguments,
     add_size_arguments,
@@ -64,11 +67,6 @@ RUNNERS = {"attnres": "attnres", "llama": "llama", "llama-aa": "llama"}   # serv
 METRICS = {"duration": "duration", "TTFT": "median_ttft_ms", "TPOT": "median_tpot_ms"}   # times: lower is better
 SERVED_NAME = "bench"
 BENCH_DIR = Path(__file__).resolve().parent
-# `--norms vllm-c`: bench_vllm's registration of vLLM's C++ RMSNorm kernels, run in every process of every
-# server by a vLLM general plugin that `norms_plugin` writes (vLLM loads those in each of its processes).
-NORMS = {"vllm-default": "vLLM's own choice (on a CPU: native torch ops, which only Inductor fuses)",
-         "vllm-c": "vLLM's C++ rms_norm / fused_add_rms_norm kernels for every server's vLLM RMSNorm"}
-C_NORMS_PRIORITY = ["attnres_bench_c", "vllm_c", "native"]        # bench_vllm.C_NORMS first
 
 
 def vllm_cli() -> Path:
@@ -111,10 +109,7 @@ def common_flags(args) -> list[str]:
 
 def server_args(args, path: Path, compilation: str) -> list[str]:
     """The same flags for every server; only the checkpoint differs."""
-    norms = []
-    if args.norms == "vllm-c":
-        priority = {"rms_norm": C_NORMS_PRIORITY, "fused_add_rms_norm": C_NORMS_PRIORITY}
-        norms = ["--kernel-config", json.dumps({"ir_op_priority": priority})]
+    norms = ["--kernel-config", json.dumps(c_norms_kernel_config())] if args.norms == "vllm-c" else []
     return [str(path), *common_flags(args), *norms, *COMPILATIONS[compilation]]
 
 

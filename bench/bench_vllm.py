@@ -156,14 +156,20 @@ def register_c_norms() -> None:
         return x, x_residual
 
 
+def c_norms_kernel_config() -> dict:
+    """The `kernel_config` of `--norms vllm-c`: `C_NORMS` first for vLLM's norm ops (registered by
+    `register_c_norms` in the same process), then `vllm_c` where vLLM has it (GPUs), then its native ones."""
+    first = [C_NORMS, "vllm_c", "native"]
+    return {"ir_op_priority": {"rms_norm": first, "fused_add_rms_norm": first}}
+
+
 def engine_specs(args, paths: dict[str, Path]) -> dict[str, dict]:
     """`{name: {"path", "kwargs"}}` of the subject, the baseline and the control."""
     subject, baseline, control = COMPARISONS[args.compare]
     common = dict(dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_bytes, seed=0, enable_prefix_caching=False,
                   skip_tokenizer_init=True, disable_log_stats=False)
     if args.norms == "vllm-c":
-        first = [C_NORMS, "vllm_c", "native"]                              # vllm_c: where vLLM has it (GPUs)
-        common["kernel_config"] = {"ir_op_priority": {"rms_norm": first, "fused_add_rms_norm": first}}
+        common["kernel_config"] = c_norms_kernel_config()
     if args.max_num_batched_tokens:
         common["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.compile == "eager":
