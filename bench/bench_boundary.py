@@ -70,7 +70,11 @@ SOURCE_FILES = ("modeling_attnres/depth_attention_cpu_source.py",   # where the 
 def llama_op(baseline: str):
     """The in-place `op(x, residual, weight, eps)` of the Llama side."""
     if baseline == "vllm":
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
+        from vllm.platforms import current_platform
+
+        # vLLM's loader, not `import vllm._C`: that build needs AVX512-BF16 (SIGILL elsewhere), and the
+        # loader picks the build for this CPU (`_C_AVX512`, `_C_AVX2`), each registering torch.ops._C.
+        current_platform.import_kernels()
 
         return torch.ops._C.fused_add_rms_norm
     return fused_add_rms_norm_op()
