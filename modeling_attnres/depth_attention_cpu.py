@@ -51,14 +51,17 @@ _in_graphs = _ENV == "compiled"                       # also inside torch.compil
 
 
 def _extension_name() -> str:
-    """The build is for this CPU (`-march=native`): its name carries a digest of the CPU's feature
-    flags, so that a home directory shared by different machines never loads a foreign binary."""
+    """The build is for this CPU (`-march=native`) and this source: its name carries a digest of the CPU's
+    feature flags and of the C++ source, so that a home directory shared by different machines never loads a
+    foreign binary, and two versions of the kernel (say an installed package and a checkpoint's remote code)
+    each keep their own build instead of rebuilding over each other in every process."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    digest = hashlib.sha1(f"{platform.machine()} {platform.processor()} {flags}".encode()).hexdigest()[:10]
+    built = f"{platform.machine()} {platform.processor()} {flags}\n{KERNEL_SOURCE}"
+    digest = hashlib.sha1(built.encode()).hexdigest()[:10]
     return f"attnres_depth_attention_cpu_{digest}"
 
 

@@ -298,6 +298,15 @@ def test_environment_variable_at_import_and_the_default(value, eager, in_graphs)
     assert "AttnRes" not in out.stderr                     # no build, no failure: nothing to say
 
 
+def test_each_source_builds_under_its_own_name(monkeypatch):
+    """Two versions of the kernel (an installed package and an older checkpoint's remote code) build under two
+    names in torch's extension cache, so that neither rebuilds over the other; one source keeps one name."""
+    name = cpu._extension_name()
+    assert name == cpu._extension_name() and name.startswith("attnres_depth_attention_cpu_")
+    monkeypatch.setattr(cpu, "KERNEL_SOURCE", cpu.KERNEL_SOURCE + "\n// another version\n")
+    assert cpu._extension_name() != name
+
+
 def test_a_failed_build_says_what_is_missing(monkeypatch):
     import torch.utils.cpp_extension as cpp_extension
 
