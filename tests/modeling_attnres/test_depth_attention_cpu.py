@@ -85,10 +85,13 @@ def test_fused_push_source_writes_in_place_what_push_source_stores(dtype, bank_d
     torch.testing.assert_close(fused.inv_rms, ref.inv_rms, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("bank_dtype,tol", [(torch.bfloat16, 1e-5), (torch.float16, 1e-5)])
+@pytest.mark.parametrize("bank_dtype,tol", [(torch.bfloat16, 5e-5), (torch.float16, 5e-5)])
 def test_a_low_precision_preallocated_bank_matches_the_oracle_in_float32(bank_dtype, tol):
     """A bank read as float32 from bf16/fp16 storage: against the oracle on the same rounded sources only
-    float32 rounding is left (the output stays float32 here, so no final cast either)."""
+    float32 rounding is left (the output stays float32 here, so no final cast either). That rounding is up to a
+    few 1e-5 here: scores of about +-20 carry float32 errors of ~1e-6, which the peaked softmax passes on to
+    outputs of 3-9 (torch's own float32 path is 3.4e-5 off the oracle on the float16 case), and the kernel's
+    summation order, hence its error, depends on the CPU's vector width."""
     bank, partial, query, (stored, _, _) = case(5, (7, 3), 300, dtype=torch.float32, seed=7, room=3,
                                                 bank_dtype=bank_dtype)
     assert bank.storage.dtype == bank_dtype and bank.storage.shape[-2] == 8 and bank.num_stored == 5
