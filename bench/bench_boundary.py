@@ -43,7 +43,6 @@ machine's memory read bandwidth (a float32 sum over 512 MiB), the figure a byte 
 
 import argparse
 import ast
-import hashlib
 import os
 import statistics
 import subprocess
@@ -58,7 +57,7 @@ from fused_llama import fused_add_rms_norm_op  # noqa: E402
 
 from modeling_attnres import depth_attention_cpu  # noqa: E402
 from modeling_attnres.depth_attention import DepthBank, empty_bank, push_source  # noqa: E402
-from modeling_attnres.depth_attention_cpu import compiler_flags, cpu_kernel_applies  # noqa: E402
+from modeling_attnres.depth_attention_cpu import compiler_flags, cpu_kernel_applies, extension_name  # noqa: E402
 from modeling_attnres.depth_attention_ops import site_boundary  # noqa: E402
 
 EPS = 1e-6
@@ -204,7 +203,7 @@ def build_kernel(label: str, source: str):
     import torch.utils.cpp_extension as cpp_extension
 
     flags, ldflags = compiler_flags()
-    name = f"attnres_bench_against_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
+    name = extension_name("attnres_bench_against", source)
     try:
         return cpp_extension.load_inline(name, cpp_sources=source, functions=["site_boundary"], extra_cflags=flags,
                                          extra_ldflags=ldflags)

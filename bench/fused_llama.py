@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from modeling_attnres.depth_attention_cpu import compiler_flags
+from modeling_attnres.depth_attention_cpu import compiler_flags, extension_name
 from modeling_attnres.depth_attention_cpu_source import LANES_CPP, ROUNDING_CPP
 
 AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
@@ -84,8 +84,8 @@ def fused_add_rms_norm_op() -> AddNorm:
     from torch.utils.cpp_extension import load_inline
 
     flags, ldflags = compiler_flags()                            # AttnRes's kernel's own
-    module = load_inline("attnres_bench_fused_add_rms_norm", cpp_sources=_SOURCE, functions=["fused_add_rms_norm"],
-                         extra_cflags=flags, extra_ldflags=ldflags)
+    module = load_inline(extension_name("attnres_bench_fused_add_rms_norm", _SOURCE), cpp_sources=_SOURCE,
+                         functions=["fused_add_rms_norm"], extra_cflags=flags, extra_ldflags=ldflags)
     return module.fused_add_rms_norm
 
 

@@ -50,19 +50,23 @@ _enabled = _ENV not in _OFF                           # the default ("auto"): on
 _in_graphs = _ENV == "compiled"                       # also inside torch.compile, as the `attnres::` ops
 
 
-def _extension_name() -> str:
-    """The build is for this CPU (`-march=native`) and this source: its name carries a digest of the CPU's
-    feature flags and of the C++ source, so that a home directory shared by different machines never loads a
-    foreign binary, and two versions of the kernel (say an installed package and a checkpoint's remote code)
+def extension_name(prefix: str, source: str) -> str:
+    """The name of a build of C++ `source` for this CPU (`-march=native`): `prefix` and a digest of the
+    CPU's feature flags and of the source, so that a home directory shared by different machines never loads a
+    foreign binary, and two versions of a source (say an installed package and a checkpoint's remote code)
     each keep their own build instead of rebuilding over each other in every process."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    built = f"{platform.machine()} {platform.processor()} {flags}\n{KERNEL_SOURCE}"
-    digest = hashlib.sha1(built.encode()).hexdigest()[:10]
-    return f"attnres_depth_attention_cpu_{digest}"
+    built = f"{platform.machine()} {platform.processor()} {flags}\n{source}"
+    return f"{prefix}_{hashlib.sha1(built.encode()).hexdigest()[:10]}"
+
+
+def _extension_name() -> str:
+    """The kernel's build name (`extension_name` of its source)."""
+    return extension_name("attnres_depth_attention_cpu", KERNEL_SOURCE)
 
 
 @contextlib.contextmanager
