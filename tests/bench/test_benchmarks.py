@@ -358,7 +358,7 @@ def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with
     out = run("bench_serve.py", *TINY, "--compilations", "eager", "--concurrency", "2", "--num-prompts", "2",
               "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
               "--repeats", "1", "--norms", "vllm-c", timeout=840)
-    assert_header(out, "--no-enable-prefix-caching", "attnres-vllm bench serve", "servers up together",
+    assert_header(out, "--no-enable-prefix-caching", "vllm bench serve (in this process)", "servers up together",
                   "1 timed rounds after one untimed", "vLLM's C++ rms_norm")
     (rows,) = tables(out)
     (row,) = rows
