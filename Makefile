@@ -45,7 +45,7 @@ BENCH_REAL ?= --smollm2
 BENCH_VLLM ?= --dtype bfloat16 --compile dynamo --prefill-tokens 1024 --decode-batches 1 32 --long-decode-batches 1 \
     --long-context 1024 --new-tokens 32 --kv-cache-bytes 1073741824
 # `make bench` takes about 100 minutes on 2 idle cores (measured step by step: about 12 for the first
-# line, 25 for the second, 12 for the third, 30 for the fourth (three servers, one untimed and six timed
+# line, 25 for the second, 12 for the third, up to 30 for the fourth (three servers, one untimed and six timed
 # rounds), 10 for the fifth, 5 for the sixth, 1 for the seventh, 4 for the last); a first run adds the
 # build of the SmolLM2 pair (about 4 minutes). Every table names its settings.
 

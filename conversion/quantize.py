@@ -14,7 +14,11 @@ RMSNorm gains, and AttnRes's pseudo-queries `*_res_proj` (`Linear(d, 1)`: one ou
 depth-attention score error feeds a softmax over whole blocks; vLLM holds them as plain parameters,
 not quantizable linear layers).
 
-    attnres-quantize SRC DST [--overwrite]
+`--reduce-range` keeps the int8 weights in [-63, 63] (scale = max|row| / 63), for CPUs without VNNI: there
+oneDNN's int8 GEMM adds pairs of u8 x s8 products in 16-bit integers, which full-range weights overflow
+(PyTorch's `reduce_range` exists for the same instruction). It halves the weights' resolution.
+
+    attnres-quantize SRC DST [--overwrite] [--reduce-range]
 """
 
 import argparse
@@ -41,13 +45,16 @@ QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.we
 # compressed-tensors' `ignore` list: what a loader matching the target class `Linear` must skip.
 IGNORE = ["lm_head", "re:.*_res_proj$"]
 INT8_MAX = 127
+# Largest weight whose products with u8 activations still add in pairs within int16: 2 * 255 * 63 < 2**15.
+REDUCED_MAX = 63
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel round-to-nearest int8: `(int8 [out, in], float32 scale [out, 1])`."""
+def quantize_weight(weight: torch.Tensor, limit: int = INT8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel round-to-nearest int8 with each row's largest magnitude at `limit`
+    (127, or `REDUCED_MAX`): `(int8 [out, in], float32 scale [out, 1])`."""
     w = weight.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
-    q = torch.round(w / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / limit
+    q = torch.round(w / scale).clamp(-limit, limit).to(torch.int8)
     return q, scale
 
 
@@ -61,8 +68,9 @@ def quantization_config() -> dict:
     return config.model_dump(mode="json")
 
 
-def quantize_tensors(source) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """All tensors of `source`, the projections quantized; returns `(tensors, quantized weight names)`."""
+def quantize_tensors(source, limit: int = INT8_MAX) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """All tensors of `source`, the projections quantized (`quantize_weight`); returns `(tensors, quantized
+    weight names)`."""
     out, done = {}, []
     for key in source.keys():
         tensor = source.get(key)
@@ -70,7 +78,7 @@ def quantize_tensors(source) -> tuple[dict[str, torch.Tensor], list[str]]:
             if tensor.dim() != 2 or not tensor.is_floating_point():
                 raise ConversionError(f"{key} is {tensor.dtype} {tuple(tensor.shape)}, expected a floating-point "
                                       "[out, in] weight; is the checkpoint already quantized?")
-            out[key], out[key[: -len("weight")] + "weight_scale"] = quantize_weight(tensor)
+            out[key], out[key[: -len("weight")] + "weight_scale"] = quantize_weight(tensor, limit)
             done.append(key)
         else:
             out[key] = tensor.contiguous()
@@ -101,15 +109,17 @@ def read_config(src: Path) -> dict:
     return config
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = False) -> list[str]:
-    """Write the W8A8 int8 checkpoint of the AttnRes checkpoint `src` to `dst` (atomically).
+def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = False,
+                        reduce_range: bool = False) -> list[str]:
+    """Write the W8A8 int8 checkpoint of the AttnRes checkpoint `src` to `dst` (atomically); with
+    `reduce_range`, its weights in [-63, 63] (exact on CPUs without VNNI, see the module docstring).
 
     Returns the names of the quantized weights.
     """
     src, dst = Path(src), Path(dst)
     config = read_config(src)
     check_destination(dst, src, overwrite)
-    tensors, done = quantize_tensors(open_checkpoint(src))
+    tensors, done = quantize_tensors(open_checkpoint(src), REDUCED_MAX if reduce_range else INT8_MAX)
     if not done:
         raise ConversionError(f"No q/k/v/o/gate/up/down projection weights in {src} (keys such as "
                               f"{listing(list(tensors), limit=5)}); is it an AttnRes checkpoint?")
@@ -125,20 +135,24 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`attnres-quantize SRC DST [--overwrite]`: W8A8 int8 (compressed-tensors) for vLLM."""
+    """`attnres-quantize SRC DST [--overwrite] [--reduce-range]`: W8A8 int8 (compressed-tensors) for vLLM."""
     parser = argparse.ArgumentParser(prog="attnres-quantize", description=main.__doc__)
     parser.add_argument("src", help="an AttnRes checkpoint folder (transformers layout)")
     parser.add_argument("dst", help="output folder (written atomically)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--reduce-range", action="store_true",
+                        help="int8 weights in [-63, 63]: exact products on CPUs without VNNI (AVX2 only), whose "
+                             "int8 GEMM overflows full-range weights; half the weights' resolution")
     args = parser.parse_args(argv)
     try:
-        done = quantize_checkpoint(args.src, args.dst, overwrite=args.overwrite)
+        done = quantize_checkpoint(args.src, args.dst, overwrite=args.overwrite, reduce_range=args.reduce_range)
     except (ConversionError, OSError) as err:
         return fail("attnres-quantize", err)
     except KeyboardInterrupt:                    # the staging is already removed
         return fail("attnres-quantize", f"interrupted; nothing half-written is left at {args.dst}.",
                     status=EXIT_INTERRUPTED)
-    print(f"Quantized {len(done)} linear weights to int8 (W8A8, compressed-tensors) -> {args.dst}")
+    reduced = f" in [-{REDUCED_MAX}, {REDUCED_MAX}]" if args.reduce_range else ""
+    print(f"Quantized {len(done)} linear weights to int8{reduced} (W8A8, compressed-tensors) -> {args.dst}")
     return 0
 
 

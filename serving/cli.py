@@ -32,6 +32,8 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 - always `--middleware MIDDLEWARE`: with `--api-key` (or `VLLM_API_KEY`) every route but the health
   checks needs the key, not only vLLM's `/v1` prefixes (`auth.py`); a non-loopback `--host` without
   a key is warned about;
+- on a CPU without VNNI or AMX, a warning when the model is a W8A8 int8 checkpoint whose weights exceed
+  [-63, 63], which vLLM's int8 GEMM overflows there (`int8_warning`);
 - `--enable-tokenizer-info-endpoint` (unless its `--no-` form is given), so that clients such as
   lm-evaluation-harness find the tokenizer (and chat template) through the server, behind the key
   like every route;
@@ -49,6 +51,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 from attnres.conversion.errors import ConversionError, UsageError, fail
 
@@ -67,6 +70,9 @@ MIDDLEWARE = "attnres.serving.auth.RequireAPIKey"
 LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
 # `weights.AttnResWeightUpdates`: checked in-place weight updates (`/collective_rpc` in dev mode).
 WORKER_EXTENSION = "attnres.serving.weights.AttnResWeightUpdates"
+# CPU flags under which oneDNN's int8 GEMM sums products exactly (dot-product instructions); without them
+# its AVX2 path adds pairs of u8 x s8 products in int16, exact only for `attnres-quantize --reduce-range`.
+INT8_EXACT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 
 def installed_vllm() -> tuple[str, bool]:
@@ -278,6 +284,57 @@ def exposure_warning(vllm_args: list[str], env: dict | None = None) -> str | Non
             "the model's metrics; pass --api-key KEY (or set VLLM_API_KEY), or --host 127.0.0.1")
 
 
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags (`/proc/cpuinfo`); `None` where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return set(line.split(":", 1)[1].split()) if line else None
+
+
+def widest_int8_weight(path: Path) -> int | None:
+    """The largest magnitude in the first int8 tensor of the checkpoint folder `path` (per-channel
+    quantization puts every row's largest weight at the end of the range, so one tensor tells the range);
+    `None` without one."""
+    import numpy as np
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as f:
+            for key in f.keys():
+                if f.get_slice(key).get_dtype() == "I8":
+                    return int(np.abs(f.get_tensor(key).astype(np.int16)).max())
+    return None
+
+
+def int8_warning(vllm_args: list[str], cpu: bool, flags: set[str] | None = None) -> str | None:
+    """A warning when `vllm vllm_args` serves a W8A8 int8 checkpoint with full-range weights on a CPU without
+    VNNI or AMX, where vLLM's oneDNN int8 GEMM adds pairs of products in 16 bits and overflows them."""
+    if not cpu or len(vllm_args) < 2 or vllm_args[0] != "serve" or not os.path.isdir(vllm_args[1]):
+        return None
+    path = Path(vllm_args[1])
+    try:
+        quantization = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None                                                    # vLLM reports a bad checkpoint
+    if quantization.get("quant_method") != "compressed-tensors" or quantization.get("format") != "int-quantized":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if flags is None or flags & INT8_EXACT_FLAGS:
+        return None
+    from attnres.conversion.quantize import REDUCED_MAX
+
+    widest = widest_int8_weight(path)
+    if widest is None or widest <= REDUCED_MAX:
+        return None
+    return (f"{path} holds int8 weights up to {widest} in magnitude, and this CPU has no VNNI or AMX: there vLLM's "
+            f"int8 GEMM adds pairs of products in 16 bits, which weights beyond {REDUCED_MAX} overflow (21 % "
+            "off the exact product, measured), so outputs differ from the quantized model's; quantize again with "
+            "`attnres-quantize SRC DST --reduce-range`, or serve the unquantized model")
+
+
 def startup_problem(vllm_args: list[str]) -> str | None:
     """Why `vllm vllm_args` cannot start, in one line, for the mistakes vLLM reports only after tens of
     seconds of imports and as a traceback: a local model path that does not exist (or holds no
@@ -342,9 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(server_environment(sys.argv[1:], cpu))
     if has_option(args, "-h", "--help"):
         print(help_preface(), flush=True)
-    warning = exposure_warning(sys.argv[1:])
-    if warning:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+    for warning in (exposure_warning(sys.argv[1:]), int8_warning(sys.argv[1:], cpu)):
+        if warning:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

@@ -18,6 +18,7 @@ from attnres.conversion.errors import ConversionError
 from attnres.conversion.quantize import main as quantize_main
 from attnres.conversion.quantize import quantize_checkpoint
 from attnres.models import shipped_model_path
+from attnres.serving.cli import cpu_flags, int8_warning
 from modeling_attnres.configuration_attnres import AUTO_MAP
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.support.engines import chosen_logprobs, free_llm, generate, make_llm
@@ -59,12 +60,22 @@ def quantized(source, tmp_path_factory):
     return dst
 
 
+@pytest.fixture(scope="module")
+def reduced(source, tmp_path_factory):
+    """`--reduce-range`: int8 weights in [-63, 63], exact in vLLM's int8 GEMM on CPUs without VNNI too."""
+    dst = tmp_path_factory.mktemp("quant") / "w8a8-reduced"
+    assert quantize_main([str(source), str(dst), "--reduce-range"]) == 0
+    return dst
+
+
 def read_tensors(path) -> dict[str, torch.Tensor]:
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def test_weights_on_disk_are_int8_per_channel(source, quantized):
+@pytest.mark.parametrize("folder, limit", [("quantized", 127), ("reduced", 63)])
+def test_weights_on_disk_are_int8_per_channel(source, folder, limit, request):
+    quantized = request.getfixturevalue(folder)
     original, stored = read_tensors(source), read_tensors(quantized)
     linear = [k for k in original if k.rsplit(".", 2)[-2] in PROJECTIONS]
     assert len(linear) == 7 * json.loads((source / "config.json").read_text())["num_hidden_layers"]
@@ -75,7 +86,7 @@ def test_weights_on_disk_are_int8_per_channel(source, quantized):
         # Round-to-nearest: within half a step of the original, and each row uses its full range.
         err = (w.float() * scale - original[key]).abs()
         assert bool((err <= scale / 2 + 1e-7).all()), key
-        assert bool((w.abs().amax(dim=1) == 127).all()), key
+        assert bool((w.abs().amax(dim=1) == limit).all()), key
     kept = [k for k in original if k not in linear]
     assert any("_res_proj" in k for k in kept) and any("res_norm" in k for k in kept)
     assert "model.embed_tokens.weight" in kept
@@ -137,10 +148,12 @@ def exact_int8_products() -> bool:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_vllm_serves_w8a8_on_cpu(source, quantized, prompts, dtype, monkeypatch):
-    """float32 is held to the simulated int8 model; bfloat16 (vLLM's choice for this checkpoint when no dtype
-    is given, and on CPUs with AMX its int8 kernel) to the unquantized model, its own rounding included."""
+@pytest.mark.parametrize("folder, dtype", [("quantized", "float32"), ("quantized", "bfloat16"), ("reduced", "float32")])
+def test_vllm_serves_w8a8_on_cpu(source, folder, prompts, dtype, monkeypatch, request):
+    """float32 is held to the simulated int8 model (full-range weights only where products are exact, reduced
+    ones everywhere); bfloat16 (vLLM's choice for this checkpoint when no dtype is given, and on CPUs with AMX
+    its int8 kernel) to the unquantized model, its own rounding included."""
+    quantized = request.getfixturevalue(folder)
     if dtype == "float32":   # vLLM 0.32 routes float32 to its AMX int8 kernel too, which takes bf16/fp16 only
         from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm_cpu
 
@@ -153,7 +166,7 @@ def test_vllm_serves_w8a8_on_cpu(source, quantized, prompts, dtype, monkeypatch)
     finally:
         free_llm(llm)
     assert scheme == "CompressedTensorsConfig"
-    simulating = dtype == "float32" and exact_int8_products()
+    simulating = dtype == "float32" and (folder == "reduced" or exact_int8_products())
     simulated, plain = simulated_w8a8(source, quantized) if simulating else None, load_hf(source)
     agree, total, dev_sim, dev_plain = 0, 0, 0.0, 0.0
     for prompt, (tokens, logprobs) in zip(prompts, results):
@@ -165,7 +178,7 @@ def test_vllm_serves_w8a8_on_cpu(source, quantized, prompts, dtype, monkeypatch)
             dev_sim = max(dev_sim, float((got - sim.gather(-1, index)[:, 0]).abs().max()))
         dev_plain = max(dev_plain, float((got - ref.gather(-1, index)[:, 0]).abs().max()))
         agree, total = agree + int((ref.argmax(-1) == index[:, 0]).sum()), total + len(tokens)
-    print(f"W8A8 ({dtype}) vs unquantized: greedy agreement {agree}/{total} (teacher-forced), max |dlogprob| "
+    print(f"W8A8 ({folder}, {dtype}) vs unquantized: greedy agreement {agree}/{total} (teacher-forced), max |dlogprob| "
           f"{dev_plain:.4f}; vs simulated int8: max |dlogprob| {dev_sim:.2e}")
     assert agree / total >= MIN_AGREEMENT, f"greedy agreement with the unquantized model {agree}/{total}"
     assert dev_plain < UNQUANTIZED_ATOL, f"logprob deviation from the unquantized model {dev_plain}"
@@ -176,3 +189,22 @@ def test_vllm_serves_w8a8_on_cpu(source, quantized, prompts, dtype, monkeypatch)
         # Without VNNI, oneDNN's int8 GEMM sums pairs of products in int16, which full-range int8 weights
         # overflow: not the simulated arithmetic, but still int8, further from float32 than float32's rounding.
         assert dev_plain > 1e-3, f"float32 logprobs within {dev_plain} of the unquantized model: not quantized?"
+
+
+def test_serve_warns_of_full_range_int8_weights_on_a_cpu_without_vnni(source, quantized, reduced):
+    """`attnres-serve`'s warning (`cli.int8_warning`): only a CPU build, a W8A8 folder whose weights exceed
+    [-63, 63], and a CPU with none of the dot-product instructions that sum int8 products exactly."""
+    def argv(path):
+        return ["serve", str(path), "--dtype", "float32"]
+
+    without = {"fpu", "sse2", "avx2", "fma"}
+    warning = int8_warning(argv(quantized), cpu=True, flags=without)
+    assert warning and str(quantized) in warning and "up to 127" in warning and "--reduce-range" in warning, warning
+    for flag in ("avx512_vnni", "avx_vnni", "amx_int8"):
+        assert int8_warning(argv(quantized), cpu=True, flags=without | {flag}) is None, flag
+    assert int8_warning(argv(quantized), cpu=False, flags=without) is None         # GPU builds: not oneDNN
+    assert int8_warning(argv(reduced), cpu=True, flags=without) is None
+    assert int8_warning(argv(source), cpu=True, flags=without) is None             # not quantized
+    assert int8_warning(["serve", "org/model", "--dtype", "float32"], cpu=True, flags=without) is None
+    flags = cpu_flags()                                                            # this machine's, as torch sees it
+    assert flags is None or ("avx512_vnni" in flags) == torch.cpu._is_vnni_supported(), sorted(flags)
