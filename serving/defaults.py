@@ -24,7 +24,6 @@ from attnres.conversion.publish import user_cache_dir
 from attnres.models import MissingShippedFile, shipped_model_path
 
 from . import default_model
-from .random_model import ensure_random_model
 
 BUILTIN = "builtin:"
 DEFAULT_SERVED_NAME = default_model.SERVED_NAME
@@ -62,6 +61,8 @@ def resolve_model(name: str) -> str:
     if name == SHIPPED_MODEL:
         return str(shipped_model_path())
     if name == RANDOM_MODEL:
+        from .random_model import ensure_random_model  # torch, imported only for this model
+
         return str(ensure_random_model(cache_dir()))
     if name.startswith(BUILTIN):
         raise UsageError(f"unknown built-in model {name!r}; the built-in models are {', '.join(BUILTIN_MODELS)}")
