@@ -357,9 +357,9 @@ def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with
     fails does not start)."""
     out = run("bench_serve.py", *TINY, "--compilations", "eager", "--concurrency", "2", "--num-prompts", "2",
               "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
-              "--repeats", "1", "--norms", "vllm-c", timeout=840)
+              "--repeats", "1", "--norms", "vllm-c", "--settle", "0.5", timeout=840)
     assert_header(out, "--no-enable-prefix-caching", "vllm bench serve (in this process)", "servers up together",
-                  "1 timed rounds after one untimed", "vLLM's C++ rms_norm")
+                  "1 timed rounds after one untimed", "rotating order, 0.5 s apart", "vLLM's C++ rms_norm")
     (rows,) = tables(out)
     (row,) = rows
     assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 4", row
