@@ -316,17 +316,23 @@ def int8_warning(vllm_args: list[str], cpu: bool, flags: set[str] | None = None)
         return None
     path = Path(vllm_args[1])
     try:
-        quantization = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError):
+        quantization = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
         return None                                                    # vLLM reports a bad checkpoint
-    if quantization.get("quant_method") != "compressed-tensors" or quantization.get("format") != "int-quantized":
+    if not isinstance(quantization, dict) or (quantization.get("quant_method"), quantization.get("format")) != (
+            "compressed-tensors", "int-quantized"):
         return None
     flags = cpu_flags() if flags is None else flags
     if flags is None or flags & INT8_EXACT_FLAGS:
         return None
+    from safetensors import SafetensorError
+
     from attnres.conversion.quantize import REDUCED_MAX
 
-    widest = widest_int8_weight(path)
+    try:
+        widest = widest_int8_weight(path)
+    except (OSError, SafetensorError):
+        return None                                                    # vLLM reports a bad checkpoint
     if widest is None or widest <= REDUCED_MAX:
         return None
     return (f"{path} holds int8 weights up to {widest} in magnitude, and this CPU has no VNNI or AMX: there vLLM's "

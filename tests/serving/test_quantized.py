@@ -191,7 +191,7 @@ def test_vllm_serves_w8a8_on_cpu(source, folder, prompts, dtype, monkeypatch, re
         assert dev_plain > 1e-3, f"float32 logprobs within {dev_plain} of the unquantized model: not quantized?"
 
 
-def test_serve_warns_of_full_range_int8_weights_on_a_cpu_without_vnni(source, quantized, reduced):
+def test_serve_warns_of_full_range_int8_weights_on_a_cpu_without_vnni(source, quantized, reduced, tmp_path):
     """`attnres-serve`'s warning (`cli.int8_warning`): only a CPU build, a W8A8 folder whose weights exceed
     [-63, 63], and a CPU with none of the dot-product instructions that sum int8 products exactly."""
     def argv(path):
@@ -206,5 +206,10 @@ def test_serve_warns_of_full_range_int8_weights_on_a_cpu_without_vnni(source, qu
     assert int8_warning(argv(reduced), cpu=True, flags=without) is None
     assert int8_warning(argv(source), cpu=True, flags=without) is None             # not quantized
     assert int8_warning(["serve", "org/model", "--dtype", "float32"], cpu=True, flags=without) is None
+    broken = tmp_path / "broken"                                  # left for vLLM to report: no warning, no crash
+    broken.mkdir()
+    (broken / "config.json").write_text((quantized / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert int8_warning(argv(broken), cpu=True, flags=without) is None
     flags = cpu_flags()                                                            # this machine's, as torch sees it
     assert flags is None or ("avx512_vnni" in flags) == torch.cpu._is_vnni_supported(), sorted(flags)
