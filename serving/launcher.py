@@ -7,7 +7,9 @@ Used by the tests and the server benchmark:
 
 `stop()` sends SIGTERM to the server alone and reports whether that sufficed (`Shutdown`) before it
 falls back to SIGKILL; `rss_bytes()` sums the resident memory of the server's whole process group
-(API server, engine core, workers), which is what a soak run watches.
+(API server, engine core, workers), which is what a soak run watches. Without a `log_path`, the log is a
+temporary file that leaving the `with` block removes, unless the block ended with an exception (then the
+log stays for reading, and a failed start names it).
 """
 
 import os
@@ -46,7 +48,11 @@ class ServerProcess:
         self.args, self.host, self.startup_timeout = list(args), host, startup_timeout
         merged = {**os.environ, **(env or {})}
         self.env = {k: v for k, v in merged.items() if v is not None}   # `None` removes a variable
-        self.log_path = Path(log_path or tempfile.mkstemp(prefix="attnres-serve-", suffix=".log")[1])
+        self.owns_log = log_path is None                                # a temporary file: ours to remove
+        if log_path is None:
+            handle, log_path = tempfile.mkstemp(prefix="attnres-serve-", suffix=".log")
+            os.close(handle)
+        self.log_path = Path(log_path)
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
@@ -98,11 +104,13 @@ class ServerProcess:
     def _wait_healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"attnres-serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"attnres-serve exited with {self.proc.returncode} (log: {self.log_path}):\n"
+                                   f"{self.log_tail()}")
             if self.healthy():
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"attnres-serve not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(f"attnres-serve not healthy after {self.startup_timeout:.0f} s (log: {self.log_path}):\n"
+                           f"{self.log_tail()}")
 
     def log_tail(self, chars: int = 6000) -> str:
         """The end of the server's combined stdout/stderr."""
@@ -143,8 +151,10 @@ class ServerProcess:
     def __enter__(self) -> "ServerProcess":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         self.stop()
+        if self.owns_log and exc_type is None:
+            self.log_path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

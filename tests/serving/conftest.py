@@ -66,12 +66,10 @@ def server(request, server_cache):
            **getattr(request.module, "SERVER_ENV", {})}
     key = getattr(request.module, "SERVER_API_KEY", None)
     args = request.module.server_args(request) if hasattr(request.module, "server_args") else request.module.SERVER_ARGS
-    proc = ServerProcess([*args, *(["--api-key", key] if key else [])], env=env, startup_timeout=600)
-    proc.api_key = key
-    proc.start()
-    print(f"attnres-serve ({request.module.__name__}) healthy after {proc.startup_seconds:.1f} s")
-    yield proc
-    proc.stop()
+    with ServerProcess([*args, *(["--api-key", key] if key else [])], env=env, startup_timeout=600) as proc:
+        proc.api_key = key
+        print(f"attnres-serve ({request.module.__name__}) healthy after {proc.startup_seconds:.1f} s")
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,75 @@
+"""`ServerProcess`'s own life cycle, on a stand-in server (a few lines of `http.server` that answer
+`/health`), so these checks take a second: its temporary log goes with a clean exit of the `with` block
+and stays, named, after a failure. The real server's start and stop: test_server.py and
+test_server_robustness.py."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnres.serving import launcher
+from attnres.serving.launcher import ServerProcess
+
+STAND_IN = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+if "--fail" in sys.argv:
+    print("stand-in: refusing to start", flush=True)
+    sys.exit(3)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+print("stand-in: serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """`ServerProcess` launching the stand-in instead of `attnres-serve`, its temporary logs in `tmp_path`."""
+    monkeypatch.setattr(launcher, "serve_command", lambda: [sys.executable, "-c", STAND_IN])
+    monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def logs(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("attnres-serve-*.log"))
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_exit_removes_the_temporary_log(stand_in):
+    with ServerProcess([], startup_timeout=30) as server:
+        assert server.healthy() and "stand-in: serving" in server.log_tail()
+        assert logs(stand_in) == [server.log_path.name]
+    assert logs(stand_in) == [] and server.proc is None
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_in_the_block_keeps_the_log(stand_in):
+    with pytest.raises(KeyError), ServerProcess([], startup_timeout=30) as server:
+        raise KeyError("a failing request")
+    assert logs(stand_in) == [server.log_path.name] and "stand-in: serving" in server.log_path.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_start_names_the_log_it_keeps(stand_in):
+    server = ServerProcess(["--fail"], startup_timeout=30)
+    with pytest.raises(RuntimeError, match=r"exited with 3 \(log: .*attnres-serve-.*\.log\)") as failure:
+        server.start()
+    assert "stand-in: refusing to start" in str(failure.value)
+    assert logs(stand_in) == [server.log_path.name]
+
+
+@pytest.mark.timeout(60)
+def test_a_log_path_given_is_the_callers_and_stays(stand_in):
+    given = stand_in / "server.log"
+    with ServerProcess([], log_path=given, startup_timeout=30):
+        pass
+    assert "stand-in: serving" in given.read_text()
