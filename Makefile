@@ -20,9 +20,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two pytest-xdist workers: the suite waits on process starts and imports much of the time, which leaves a
+# core idle; tests/conftest.py keeps each module (and its server) on one worker.
+TEST_WORKERS ?= 2
+
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 serve: install
 	$(VENV)/bin/attnres-serve --host 127.0.0.1 --port $${PORT:-8000}

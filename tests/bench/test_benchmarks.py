@@ -411,16 +411,18 @@ def test_bench_boundary_times_the_kernel_against_llamas_add_norm_with_an_aa_cont
 def test_bench_boundary_cold_flushes_before_each_call_and_prints_the_read_bandwidth():
     """`--cold` says what it flushed, prints the memory read bandwidth a byte floor divides by, and gives the
     same rows; a flushed call is timed alone, so a 1-token boundary still measures microseconds, not the
-    milliseconds of the flush before it."""
+    milliseconds of the flush before it. Writing 256 MiB takes over 8 ms even at 32 GB/s, so a call that
+    counted its flush would exceed the 5 ms bound, which a call preempted once by another process (a few ms
+    when `make test`'s second worker is busy) stays under; the median of 3 repeats drops one such call."""
     out = run("bench_boundary.py", "--hidden-size", "64", "--tokens", "1", "33", "--sources", "0", "3",
-              "--repeats", "2", "--calls", "2", "--cold", "--flush-mib", "64", timeout=240)
-    assert_header(out, "caches flushed before every call (64 MiB written)")
+              "--repeats", "3", "--calls", "2", "--cold", "--flush-mib", "256", timeout=240)
+    assert_header(out, "caches flushed before every call (256 MiB written)")
     bandwidth = float(re.search(r"^memory read bandwidth: (\d+\.\d) GB/s", out, re.M).group(1))
     assert bandwidth > 0, out
     [rows] = tables(out)
     assert [(r["tokens"], r["stored sources"]) for r in rows] == [("1", "0"), ("1", "3"), ("33", "0"), ("33", "3")]
     for row in rows:
-        assert all(0 < float(row[c]) < 1000 for c in ("AttnRes us", "Llama us", "Llama (A/A) us")), row
+        assert all(0 < float(row[c]) < 5000 for c in ("AttnRes us", "Llama us", "Llama (A/A) us")), row
 
 
 def test_bench_boundary_rejects_a_bad_size_naming_it():
