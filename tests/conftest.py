@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
     using = {item.nodeid.split("::")[0] for item in items if "multirank" in getattr(item, "fixturenames", ())}
     if unlisted := sorted(using - set(MULTIRANK_MODULES)):
         raise pytest.UsageError(f"{unlisted} use the multirank fixture: add them to MULTIRANK_MODULES in {__file__}")
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in MULTIRANK_MODULES)    # stable: order kept
+    items.sort(key=lambda item: scope(item.nodeid) != "multirank")                     # stable: order kept
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -44,7 +44,12 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = super()._split_scope(nodeid).split("::")[0]
-            return "multirank" if module in MULTIRANK_MODULES else module
+            return scope(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+def scope(nodeid: str) -> str:
+    """The unit a worker runs whole: the test's module, or "multirank" for every `MULTIRANK_MODULES` test."""
+    module = nodeid.split("::")[0]
+    return "multirank" if module in MULTIRANK_MODULES else module
