@@ -54,13 +54,16 @@ def extension_name(prefix: str, source: str) -> str:
     """The name of a build of C++ `source` for this CPU (`-march=native`): `prefix` and a digest of the
     CPU's feature flags and of the source, so that a home directory shared by different machines never loads a
     foreign binary, and two versions of a source (say an installed package and a checkpoint's remote code)
-    each keep their own build instead of rebuilding over each other in every process."""
+    each keep their own build instead of rebuilding over each other in every process. The digest also covers
+    the torch it builds against (its version and directory, whose headers the build includes): two
+    environments sharing one home directory would otherwise rebuild over each other, in turn."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    built = f"{platform.machine()} {platform.processor()} {flags}\n{source}"
+    against = f"torch {torch.__version__} {os.path.dirname(torch.__file__)}"
+    built = f"{platform.machine()} {platform.processor()} {flags}\n{against}\n{source}"
     return f"{prefix}_{hashlib.sha1(built.encode()).hexdigest()[:10]}"
 
 

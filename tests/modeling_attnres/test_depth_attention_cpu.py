@@ -310,6 +310,17 @@ def test_each_source_builds_under_its_own_name(monkeypatch):
     assert cpu._extension_name() != name
 
 
+def test_each_torch_installation_builds_under_its_own_name(monkeypatch):
+    """Two environments (two torch installations) sharing one home directory keep a build each: the build
+    command names torch's headers, so one shared name would make each rebuild over the other in turn."""
+    name = cpu._extension_name()
+    monkeypatch.setattr(torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert cpu._extension_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".another")
+    assert cpu._extension_name() != name
+
+
 def test_a_failed_build_says_what_is_missing(monkeypatch):
     import torch.utils.cpp_extension as cpp_extension
 
