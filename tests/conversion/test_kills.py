@@ -11,7 +11,7 @@ import pytest
 
 from attnres.conversion import retrofit
 from tests.conversion.builders import save_source, source_model
-from tests.support.kills import check_kills, run_to_end
+from tests.support.kills import check_kills
 from tests.support.models import tiny_model
 from tests.support.training import RETROFIT_ARGS, write_corpus, write_zeroed
 
@@ -34,7 +34,7 @@ def restorer(dst: Path, old: Path):
 def test_a_killed_conversion_leaves_the_old_folder_or_the_new_one(tmp_path):
     src = save_source(source_model("llama", eps=1e-6), tmp_path / "src", tokenizer=True)
     old = tmp_path / "old"
-    run_to_end(command("attnres.conversion.cli", src, old, "--block-size", "1"))       # an earlier conversion
+    tiny_model(seed=6).save_pretrained(old)          # an earlier model at the destination (saved here: no process)
     dst = tmp_path / "out" / "dst"
     dst.parent.mkdir()
     seen = check_kills(command("attnres.conversion.cli", src, dst, "--block-size", "2", "--overwrite"), dst,
