@@ -144,11 +144,13 @@ with open(out, "w") as f:
 """
 
 
-def ngram_prompt(hf, key: int = 4, filler: int = 40) -> list[int]:
+def ngram_prompt(hf, key: int = 4, filler: int = 8) -> list[int]:
     """A prompt `K a b F K` after which transformers' greedy tokens are `a`, then `b`. The first comes from
     the prefill; the n-gram proposer then sees `K a` again and drafts `b, F...`, whose first token is
     right, so verification must accept it. `a, b` are found by trying every pair (one batched forward
-    pass per filler `F`): a random model's own continuations need not repeat anything."""
+    pass per filler `F`): a random model's own continuations need not repeat anything. The search runs every
+    pair through the whole prompt, so its cost grows with the filler: 8 tokens keep it to a few seconds, and
+    the proposer, which matches the last 2-4 tokens, needs no more."""
     vocab = hf.config.vocab_size
     tokens = torch.arange(8, vocab)
     a, b = (t.reshape(-1) for t in torch.meshgrid(tokens, tokens, indexing="ij"))
