@@ -286,18 +286,39 @@ def test_training_forward_keeps_the_torch_path_and_its_gradients():
     assert grads and all(g is not None for g in grads)
 
 
-@pytest.mark.parametrize("value, eager, in_graphs", [(None, True, False), ("1", True, False), ("compiled", True, True),
-                                                     ("0", False, False), ("off", False, False)])
-def test_environment_variable_at_import_and_the_default(value, eager, in_graphs):
+# Off first: those checks then run before anything in the process could have built or loaded the kernel.
+ENVIRONMENT_VALUES = {"0": (False, False), "off": (False, False), None: (True, False), "1": (True, False),
+                      "compiled": (True, True)}      # ATTNRES_CPU_KERNEL -> (on in eager, in compiled graphs)
+ENVIRONMENT_CHILD = """
+import importlib, json, os, sys
+import torch
+seen, cpu = [], None
+for value in json.loads(sys.argv[1]):
+    os.environ.pop("ATTNRES_CPU_KERNEL", None)
+    if value is not None:
+        os.environ["ATTNRES_CPU_KERNEL"] = value
+    if cpu is None:
+        import modeling_attnres.depth_attention_cpu as cpu
+    else:
+        cpu = importlib.reload(cpu)                  # the module reads the variable when it is executed
+    with torch.no_grad():
+        seen.append([cpu.cpu_kernel_applies(torch.zeros(1)), cpu._in_graphs, cpu._module is None])
+print(json.dumps(seen))
+"""
+
+
+def test_environment_variable_at_import_and_the_default():
     """Unset, the kernel is on (loaded from torch's cache here: the fixture built it, so nothing is
-    logged); `0`/`off` turn it off without building or loading anything."""
-    code = ("import torch, modeling_attnres.depth_attention_cpu as cpu\n"
-            "with torch.no_grad(): print(cpu.cpu_kernel_applies(torch.zeros(1)), cpu._in_graphs, cpu._module is None)")
+    logged); `0`/`off` turn it off without building or loading anything. Each value is read as the
+    module executes: one process imports it, then reloads it under each further value (a process each
+    would cost an import of torch and transformers per value)."""
     env = {key: item for key, item in os.environ.items() if key != "ATTNRES_CPU_KERNEL"}
-    env.update({} if value is None else {"ATTNRES_CPU_KERNEL": value})
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    expected = [str(eager), str(in_graphs), str(not eager)]
-    assert out.returncode == 0 and out.stdout.split() == expected, out.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-c", ENVIRONMENT_CHILD, json.dumps(list(ENVIRONMENT_VALUES))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for value, (eager, in_graphs), seen in zip(ENVIRONMENT_VALUES, ENVIRONMENT_VALUES.values(),
+                                               json.loads(out.stdout), strict=True):
+        assert seen == [eager, in_graphs, not eager], (value, seen)
     assert "AttnRes" not in out.stderr                     # no build, no failure: nothing to say
 
 
