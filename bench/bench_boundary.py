@@ -315,7 +315,7 @@ def measure(args, names: tuple, makers: dict, tokens: int, sources: int, flush: 
             f"{extra_ns:.1f}", len(paired)]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=576)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -334,7 +334,7 @@ def parse_args() -> argparse.Namespace:
                              "(compiled graphs); vLLM's op (--baseline vllm) is a dispatcher op")
     parser.add_argument("--cold", action="store_true", help="flush the caches before every call (see above)")
     parser.add_argument("--flush-mib", type=int, default=128, help="the buffer --cold writes to flush the caches")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     bad = [f"--{k} {v}" for k, v in (("tokens", args.tokens), ("sources", args.sources))
            if any(x < (1 if k == "tokens" else 0) for x in v)]
     bad += [f"--{k} {v}" for k, v, least in (("repeats", args.repeats, 2), ("hidden-size", args.hidden_size, 1),

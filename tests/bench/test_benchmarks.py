@@ -263,9 +263,21 @@ def test_profile_step_splits_a_compiled_step_into_parts_for_both_models_and_the_
     whole = {m: float(found["whole call"][m]) for m in ("AttnRes", "Llama", "Llama (A/A)")}
     for m, total in whole.items():      # the parts are the profiled call's own times: they cannot exceed it
         assert sum(float(row[m]) for row in parts[:-2]) <= total * 1.05, (m, out)
-    refused = run_bounded([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--new-tokens", "1"],
-                          timeout=120, cwd=ROOT)
-    assert refused.returncode == 2 and "--new-tokens must be at least 2" in refused.stderr, refused.stderr
+
+
+def refusal(parse_args, argv: list[str], capsys) -> str:
+    """What a script's `parse_args(argv)` says on stderr as it exits with status 2 (argparse's usage error),
+    in this process: the scripts parse their arguments only after importing torch and transformers."""
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2, exited.value
+    return capsys.readouterr().err
+
+
+def test_profile_step_refuses_a_single_new_token(capsys):
+    import profile_step
+
+    assert "--new-tokens must be at least 2" in refusal(profile_step.parse_args, ["--new-tokens", "1"], capsys)
 
 
 @pytest.mark.timeout(900)
@@ -428,11 +440,11 @@ def test_bench_boundary_cold_flushes_before_each_call_and_prints_the_read_bandwi
         assert all(0 < float(row[c]) < 5000 for c in ("AttnRes us", "Llama us", "Llama (A/A) us")), row
 
 
-def test_bench_boundary_rejects_a_bad_size_naming_it():
-    done = run_bounded([sys.executable, str(ROOT / "bench" / "bench_boundary.py"), "--tokens", "0", "8"],
-                       timeout=120, cwd=ROOT)
-    assert done.returncode == 2 and "--tokens [0, 8]" in done.stderr and "expected tokens >= 1" in done.stderr, \
-        done.stderr
+def test_bench_boundary_rejects_a_bad_size_naming_it(capsys):
+    import bench_boundary
+
+    said = refusal(bench_boundary.parse_args, ["--tokens", "0", "8"], capsys)
+    assert "--tokens [0, 8]" in said and "expected tokens >= 1" in said, said
 
 
 @pytest.mark.timeout(400)
@@ -490,11 +502,11 @@ def test_bench_boundary_finds_the_kernel_source_at_a_revision_in_either_layout(t
         bench_boundary.kernel_source_at(str(tmp_path / "broken.py"))
 
 
-def test_bench_boundary_against_refuses_the_llama_options_naming_them():
-    done = run_bounded([sys.executable, str(ROOT / "bench" / "bench_boundary.py"), "--against", "HEAD", "--via", "op"],
-                       timeout=120, cwd=ROOT)
-    assert done.returncode == 2 and "--against HEAD compares two builds" in done.stderr \
-        and "--baseline and --via op do not apply" in done.stderr, done.stderr
+def test_bench_boundary_against_refuses_the_llama_options_naming_them(capsys):
+    import bench_boundary
+
+    said = refusal(bench_boundary.parse_args, ["--against", "HEAD", "--via", "op"], capsys)
+    assert "--against HEAD compares two builds" in said and "--baseline and --via op do not apply" in said, said
 
 
 @pytest.mark.timeout(660)
