@@ -23,20 +23,29 @@ def real_default_model() -> tuple[Path, Path]:
 # longest scope after the benchmarks' module, it must not start last and finish alone.
 MULTIRANK_MODULES = ("tests/serving/test_moe_parallel.py", "tests/serving/test_pipeline_parallel.py",
                      "tests/serving/test_tensor_parallel.py")
+# These modules share one server for the session (`SHARED_SERVER = True`, `tests.support.shared_server`): one
+# scope, so that it starts once.
+SHARED_SERVER_MODULES = ("tests/serving/test_clients.py", "tests/serving/test_server.py")
+SCOPES = {"multirank": MULTIRANK_MODULES, "shared-server": SHARED_SERVER_MODULES}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Runs the multi-rank modules first, and refuses a module that uses `multirank` without being listed
-    in `MULTIRANK_MODULES` (it would repeat the engines' run on the other worker)."""
+    """Runs the multi-rank modules first, and refuses a module that uses `multirank` or the shared server
+    without being listed in `MULTIRANK_MODULES` or `SHARED_SERVER_MODULES` (on the other worker, it would
+    repeat the engines' run or start the server a second time)."""
     using = {item.nodeid.split("::")[0] for item in items if "multirank" in getattr(item, "fixturenames", ())}
     if unlisted := sorted(using - set(MULTIRANK_MODULES)):
         raise pytest.UsageError(f"{unlisted} use the multirank fixture: add them to MULTIRANK_MODULES in {__file__}")
+    sharing = {item.nodeid.split("::")[0] for item in items
+               if getattr(getattr(item, "module", None), "SHARED_SERVER", False)}
+    if unlisted := sorted(sharing - set(SHARED_SERVER_MODULES)):
+        raise pytest.UsageError(f"{unlisted} set SHARED_SERVER: add them to SHARED_SERVER_MODULES in {__file__}")
     items.sort(key=lambda item: scope(item.nodeid) != "multirank")                     # stable: order kept
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadscope` with `MULTIRANK_MODULES` as one scope (xdist's `loadgroup` marks do not reach its
+    """`--dist loadscope` with each of `SCOPES` as one scope (xdist's `loadgroup` marks do not reach its
     scheduler under pytest 9.2, pytest-xdist#1386)."""
     if config.getvalue("dist") != "loadscope":
         return None
@@ -50,6 +59,6 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def scope(nodeid: str) -> str:
-    """The unit a worker runs whole: the test's module, or "multirank" for every `MULTIRANK_MODULES` test."""
+    """The unit a worker runs whole: the test's module, or the name of the `SCOPES` entry that lists it."""
     module = nodeid.split("::")[0]
-    return "multirank" if module in MULTIRANK_MODULES else module
+    return next((name for name, modules in SCOPES.items() if module in modules), module)

@@ -7,6 +7,7 @@ cache root, so that a stale `modelinfos/` entry or compile cache cannot hide a b
 reads both lazily (when an engine starts), so they only have to be set before the first engine.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -48,9 +49,23 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server_cache(tmp_path_factory) -> Path:
-    """The module server's own `ATTNRES_CACHE_DIR` (where it builds `builtin:` models)."""
+def server_cache(request, tmp_path_factory) -> Path:
+    """The module server's own `ATTNRES_CACHE_DIR` (where it builds `builtin:` models); the shared
+    server's for a module with `SHARED_SERVER = True`."""
+    if getattr(request.module, "SHARED_SERVER", False):
+        return request.getfixturevalue("shared_server_cache")
     return tmp_path_factory.mktemp("attnres-cache")
+
+
+def start_server(args: list[str], cache: Path, key: str | None, env: dict):
+    """`ServerProcess` (a context manager) of `attnres-serve ARGS [--api-key KEY]` with `ATTNRES_CACHE_DIR`
+    at `cache`, its engine core in its own process as users run it; `api_key` set on it."""
+    from attnres.serving.launcher import ServerProcess
+
+    env = {"ATTNRES_CACHE_DIR": str(cache), "VLLM_ENABLE_V1_MULTIPROCESSING": None, **env}
+    proc = ServerProcess([*args, *(["--api-key", key] if key else [])], env=env, startup_timeout=600)
+    proc.api_key = key
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -58,18 +73,44 @@ def server(request, server_cache):
     """One real `attnres-serve` process per test module, started with the module's `SERVER_ARGS` (or
     `server_args(request)`, for arguments made by fixtures) (and
     `SERVER_ENV`, and `--api-key SERVER_API_KEY` when the module sets one) on a free loopback port, its
-    engine core in its own process as users run it. A module's last test may stop it with SIGTERM and
-    check that this sufficed; the teardown only cleans up (SIGKILL included) after a failure."""
-    from attnres.serving.launcher import ServerProcess
-
-    env = {"ATTNRES_CACHE_DIR": str(server_cache), "VLLM_ENABLE_V1_MULTIPROCESSING": None,
-           **getattr(request.module, "SERVER_ENV", {})}
-    key = getattr(request.module, "SERVER_API_KEY", None)
+    engine core in its own process as users run it; for a module with `SHARED_SERVER = True`, the
+    session's `shared_server`. A module's last test may stop it with SIGTERM and check that this
+    sufficed; the teardown only cleans up (SIGKILL included) after a failure."""
+    if getattr(request.module, "SHARED_SERVER", False):
+        yield request.getfixturevalue("shared_server")()
+        return
     args = request.module.server_args(request) if hasattr(request.module, "server_args") else request.module.SERVER_ARGS
-    with ServerProcess([*args, *(["--api-key", key] if key else [])], env=env, startup_timeout=600) as proc:
-        proc.api_key = key
+    with start_server(args, server_cache, getattr(request.module, "SERVER_API_KEY", None),
+                      getattr(request.module, "SERVER_ENV", {})) as proc:
         print(f"attnres-serve ({request.module.__name__}) healthy after {proc.startup_seconds:.1f} s")
         yield proc
+
+
+@pytest.fixture(scope="session")
+def shared_server_cache(tmp_path_factory) -> Path:
+    """The shared server's `ATTNRES_CACHE_DIR`."""
+    return tmp_path_factory.mktemp("attnres-shared-cache")
+
+
+@pytest.fixture(scope="session")
+def shared_server(shared_server_cache):
+    """`get()`: the one `attnres-serve` of `tests.support.shared_server` (the tiny random model behind a
+    key) for the modules with `SHARED_SERVER = True`: started on first use, and again when a module's
+    last test has stopped it; stopped at the end of the session."""
+    from tests.support import shared_server
+
+    with contextlib.ExitStack() as stack:
+        running = []
+
+        def get():
+            if not running or running[-1].proc is None or running[-1].proc.poll() is not None:   # stopped
+                proc = stack.enter_context(start_server(shared_server.ARGS, shared_server_cache,
+                                                        shared_server.API_KEY, {}))
+                print(f"attnres-serve (shared) healthy after {proc.startup_seconds:.1f} s")
+                running.append(proc)
+            return running[-1]
+
+        yield get
 
 
 @pytest.fixture(scope="module")

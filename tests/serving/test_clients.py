@@ -1,5 +1,6 @@
 """Clients users point at the server, end to end against one `attnres-serve` of the tiny random model, which
-requires an API key:
+requires an API key (the session's shared server, `tests.support.shared_server`, which test_server.py also
+uses):
 
 - EleutherAI's lm-evaluation-harness, `local-completions` with no tokenizer argument and no hub
   (`HF_HUB_OFFLINE=1`): it finds the tokenizer through the server (`/tokenizer_info`, then `/tokenize` and
@@ -18,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME
+from attnres.serving.defaults import RANDOM_SERVED_NAME
 from attnres.serving.random_model import ensure_random_model
 from tests.support.processes import run_bounded
 from tests.support.reference import hf_greedy, load_hf, teacher_forced
+from tests.support.shared_server import API_KEY as SERVER_API_KEY
+from tests.support.shared_server import MAX_MODEL_LEN
 
 REPO = Path(__file__).resolve().parents[2]
-SERVER_ARGS = [RANDOM_MODEL, "--dtype", "float32", "--kv-cache-memory-bytes", "64M", "--max-model-len", "256",
-               "--enforce-eager", "--seed", "0"]
-SERVER_API_KEY = "clients-key-2718"
+SHARED_SERVER = True
 CHILD_TIMEOUT = 240
 TASKS = ("attnres_capitals_mc", "attnres_countries_gen", "attnres_alice_ppl")
 # Items for eval/tasks/ in the random model's alphabet (printable ASCII and newline).
@@ -78,7 +79,7 @@ def lm_eval_samples(server, tmp_path_factory) -> dict[str, list[dict]]:
     for name, rows in ROWS.items():
         (work / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
     model_args = (f"model={RANDOM_SERVED_NAME},base_url={server.url}/v1/completions,auth_token={SERVER_API_KEY},"
-                  "max_retries=1,max_length=256")
+                  f"max_retries=1,max_length={MAX_MODEL_LEN}")
     cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
            "--tasks", ",".join(TASKS), "--include_path", str(REPO / "eval" / "tasks"), "--batch_size", "4",
            "--metadata", json.dumps({"data_dir": str(work)}), "--output_path", str(work / "out"), "--log_samples",

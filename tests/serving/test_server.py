@@ -1,7 +1,8 @@
-"""End to end: one real `attnres-serve` process for the module, driven by the `openai` client.
+"""End to end: one real `attnres-serve` process, driven by the `openai` client.
 
-The server serves the built-in tiny model in float32 on a free loopback port; every greedy answer is
-checked against transformers on the same checkpoint.
+The server serves the built-in tiny random model in float32 on a free loopback port, behind a key; it is
+the session's shared server (`tests.support.shared_server`), which test_clients.py also uses. Every greedy
+answer is checked against transformers on the same checkpoint.
 """
 
 import concurrent.futures
@@ -14,20 +15,16 @@ import openai
 import pytest
 import torch
 
-from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME
+from attnres.serving.defaults import RANDOM_SERVED_NAME
 from attnres.serving.launcher import group_members
 from attnres.serving.random_model import ensure_random_model
 from tests.support.reference import hf_greedy, load_hf
+from tests.support.shared_server import API_KEY as SERVER_API_KEY
+from tests.support.shared_server import MAX_MODEL_LEN
 
-MAX_MODEL_LEN = 128
+SHARED_SERVER = True
 MAX_TOKENS = 8
 NO_EOS = {"ignore_eos": True}
-SERVER_ARGS = [
-    RANDOM_MODEL, "--dtype", "float32", "--kv-cache-memory-bytes", "64M", "--max-model-len", str(MAX_MODEL_LEN),
-    "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
-]
-# The key covers every route but the health checks (serving/auth.py); the client sends it.
-SERVER_API_KEY = "test-key-4711"
 OPEN_PATHS = {"/health", "/ping"}
 NOT_IN_SCHEMA = ["/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"]
 PROMPTS = ["Hello", "The quick brown fox", "a", "AttnRes mixes depth.", "1 2 3 4", "\n", "Why?", "zzz zzz zzz"]
