@@ -268,7 +268,8 @@ def test_static_cache_generation_with_torch_compile():
     its own on GPUs, so the compile is explicit); a counting backend proves Inductor really ran."""
     from torch._inductor.compile_fx import compile_fx
 
-    model = tiny_model(seed=11, attn_implementation="sdpa")
+    # 3 layers (a completed block of 2, then a partial one): Inductor's cold compile grows with the layers
+    model = tiny_model(seed=11, attn_implementation="sdpa", num_hidden_layers=3)
     ids = torch.randint(3, model.config.vocab_size, (1, 5))
     kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
     graphs = []
