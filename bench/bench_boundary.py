@@ -57,7 +57,7 @@ from fused_llama import fused_add_rms_norm_op  # noqa: E402
 
 from modeling_attnres import depth_attention_cpu  # noqa: E402
 from modeling_attnres.depth_attention import DepthBank, empty_bank, push_source  # noqa: E402
-from modeling_attnres.depth_attention_cpu import compiler_flags, cpu_kernel_applies, extension_name  # noqa: E402
+from modeling_attnres.depth_attention_cpu import cpu_kernel_applies, extension_name, load_inline  # noqa: E402
 from modeling_attnres.depth_attention_ops import site_boundary  # noqa: E402
 
 EPS = 1e-6
@@ -200,13 +200,9 @@ def kernel_source_at(against: str, root: str = ROOT) -> tuple[str, str]:
 
 def build_kernel(label: str, source: str):
     """`source` compiled as this checkout's kernel is (same flags), under a name of its own."""
-    import torch.utils.cpp_extension as cpp_extension
-
-    flags, ldflags = compiler_flags()
     name = extension_name("attnres_bench_against", source)
     try:
-        return cpp_extension.load_inline(name, cpp_sources=source, functions=["site_boundary"], extra_cflags=flags,
-                                         extra_ldflags=ldflags)
+        return load_inline(name, source, ["site_boundary"])
     except Exception as error:
         raise SystemExit(f"--against: the kernel at {label} did not build ({type(error).__name__}: "
                          f"{str(error)[-2000:]})") from error

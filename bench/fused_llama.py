@@ -8,7 +8,7 @@ AttnRes's default path does its whole boundary (add, block store, depth mix, nex
 call, so against the plain Llama its ratio includes the fusion's gain; against this Llama it says what
 the depth attention itself costs.
 
-The kernel below is built the way AttnRes's is (`load_inline` with its `compiler_flags`, OpenMP through
+The kernel below is built the way AttnRes's is (its `load_inline`: the same flags and headers, OpenMP through
 `at::parallel_for` over tokens in chunks of 16, so that one decoded token runs inline with no thread
 team to wake): vLLM's own CPU kernel starts an OpenMP team on every call, which costs milliseconds
 per call on a loaded 2-core machine and would make this baseline slower than the one it improves.
@@ -25,13 +25,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from modeling_attnres.depth_attention_cpu import compiler_flags, extension_name
+from modeling_attnres.depth_attention_cpu import extension_name, load_inline
 from modeling_attnres.depth_attention_cpu_source import LANES_CPP, ROUNDING_CPP
 
 AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 _SOURCE = r"""
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
@@ -81,11 +82,8 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 def fused_add_rms_norm_op() -> AddNorm:
     """The in-place `fused_add_rms_norm(x, residual, weight, eps)`: `residual += x`, then
     `x = RMSNorm(residual)`; compiled on first use (a C++ compiler and ninja, as AttnRes's kernel)."""
-    from torch.utils.cpp_extension import load_inline
-
-    flags, ldflags = compiler_flags()                            # AttnRes's kernel's own
-    module = load_inline(extension_name("attnres_bench_fused_add_rms_norm", _SOURCE), cpp_sources=_SOURCE,
-                         functions=["fused_add_rms_norm"], extra_cflags=flags, extra_ldflags=ldflags)
+    module = load_inline(extension_name("attnres_bench_fused_add_rms_norm", _SOURCE), _SOURCE,  # AttnRes's flags
+                         ["fused_add_rms_norm"])
     return module.fused_add_rms_norm
 
 

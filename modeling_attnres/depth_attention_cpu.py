@@ -15,7 +15,7 @@ It is a sibling backend of the torch functions, not a second definition: `depth_
 the reference (the tests hold this kernel to it and to the float64 oracle) and the only path under
 autograd and on other devices. The kernel is on by default: it is built from its C++ source
 (`depth_attention_cpu_source.py`) with `torch.utils.cpp_extension.load_inline` at first use (a C++
-compiler and ninja are needed; about 35 s on 2 cores, logged in one line, then cached in torch's
+compiler and ninja are needed; 35-45 s on 2 cores, logged in one line, then cached in torch's
 extensions directory). Where it cannot be built, one line says so and depth attention stays on the
 torch path (same results). It is turned off by `ATTNRES_CPU_KERNEL=0` or `enable_cpu_kernel(False)`.
 
@@ -108,20 +108,34 @@ def compiler_flags() -> tuple[list[str], list[str]]:
     return flags, ldflags
 
 
+def load_inline(name: str, source: str, functions: list[str], build_directory: str | None = None):
+    """`torch.utils.cpp_extension.load_inline` of C++ `source` with this CPU's `compiler_flags()`, without the
+    `#include <torch/extension.h>` it otherwise puts first (where this torch can leave it out): all of
+    libtorch's C++ API, a sixth of the kernel's build time. `source` includes what it uses (ATen,
+    `<torch/python.h>` for the bindings)."""
+    import inspect
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    flags, ldflags = compiler_flags()
+    options = dict(extra_cflags=flags, extra_ldflags=ldflags, build_directory=build_directory)
+    if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
+        options["no_implicit_headers"] = True
+    return cpp_extension.load_inline(name, cpp_sources=source, functions=functions, **options)
+
+
 def _build():
     """Compile (or load from torch's extension cache) the kernel module; one line of log when compiled."""
     global _module
     if _module is None:
         import torch.utils.cpp_extension as cpp_extension
 
-        flags, ldflags = compiler_flags()
         name, start = _extension_name(), time.perf_counter()
         try:
             build_dir = cpp_extension._get_build_directory(name, False)      # where load_inline builds it
             with _build_lock(build_dir):
                 functions = ["site_boundary", "mix_site", "push_source", "register_ops"]
-                module = cpp_extension.load_inline(name, cpp_sources=KERNEL_SOURCE, functions=functions,
-                                                   extra_cflags=flags, extra_ldflags=ldflags, build_directory=build_dir)
+                module = load_inline(name, KERNEL_SOURCE, functions, build_directory=build_dir)
         except Exception as error:  # compiler missing, ninja missing, headers missing, ...
             raise RuntimeError(
                 f"Could not build the AttnRes CPU kernel ({type(error).__name__}: {error}). It needs a C++ "

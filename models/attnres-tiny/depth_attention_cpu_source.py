@@ -56,7 +56,8 @@ static inline void over_lanes(int64_t d, F&& f) {
 """
 
 KERNEL_SOURCE = r"""
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cmath>
