@@ -199,7 +199,7 @@ def kernel_source_at(against: str, root: str = ROOT) -> tuple[str, str]:
 
 
 def build_kernel(label: str, source: str):
-    """`source` compiled as this checkout's kernel is (same flags), under a name of its own."""
+    """`source` compiled as this checkout's kernel is (same flags and headers option), under a name of its own."""
     name = extension_name("attnres_bench_against", source)
     try:
         return load_inline(name, source, ["site_boundary"])
