@@ -19,22 +19,23 @@ def test_vllms_own_mixtral_at_pp2_matches_transformers(multirank):
     assert_matches("mixtral-pp2", outputs(results, "mixtral-pp2"), reference(paths["mixtral"], "mixtral"))
 
 
-def stages(partition: str | None, layers: int) -> list[range]:
-    """The layers of each pipeline stage under `VLLM_PP_LAYER_PARTITION` (None: the whole model, one stage)."""
-    sizes = [int(n) for n in partition.split(",")] if partition else [layers]
-    assert sum(sizes) == layers, (partition, layers)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
-
-
-def test_every_attnres_engine_runs_sparse_and_dense_layers_on_every_stage():
+def test_every_attnres_engine_runs_sparse_and_dense_layers_on_every_stage(monkeypatch):
     """Each multi-rank AttnRes engine of the block checkpoint has both kinds of MLP on each pipeline stage
-    (a tensor-parallel engine: one stage, both ranks), so its parity tests cover the MoE path too."""
+    (the stages as vLLM splits the layers: `get_pp_indices` under the engine's `VLLM_PP_LAYER_PARTITION`; a
+    tensor-parallel engine has one stage, on both ranks), so its parity tests cover the MoE path too."""
+    from vllm.distributed.utils import get_pp_indices
+
     config = AttnResConfig(**{k: v for k, v in CHECKPOINTS["block"].items() if k != "seed"})
-    block_engines = {name: partition for name, (checkpoint, _, partition) in ENGINES.items() if checkpoint == "block"}
+    block_engines = {name: engine for name, engine in ENGINES.items() if engine[0] == "block"}
     assert set(block_engines) == {"block-pp2-on", "block-pp2-off", "block-tp2"}, block_engines
-    for name, partition in block_engines.items():
-        for stage in stages(partition, config.num_hidden_layers):
-            kinds = {config.is_sparse_layer(layer) for layer in stage}
+    for name, (_, kwargs, partition) in block_engines.items():
+        if partition:
+            monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+        else:
+            monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+        stages = kwargs.get("pipeline_parallel_size", 1)
+        for rank in range(stages):
+            layers = range(*get_pp_indices(config.num_hidden_layers, rank, stages))
+            kinds = {config.is_sparse_layer(layer) for layer in layers}
             kind = "sparse" if True in kinds else "dense"
-            assert kinds == {True, False}, f"{name}: the stage of layers {list(stage)} has only {kind} ones"
+            assert kinds == {True, False}, f"{name}: stage {rank}, layers {list(layers)}, has only {kind} ones"
