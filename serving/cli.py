@@ -150,6 +150,9 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         return ["serve", *args]                                        # no model is generated for help
     check_port(args)
     model, args = take_model(args)
+    if model == "serve" and not os.path.exists(model):
+        raise UsageError(f"'serve' was read as the model: attnres-serve is `vllm serve` already; run "
+                         f"`attnres-serve {' '.join(args) or 'MODEL'}`")
     implied = model is None
     if implied:
         path, name = resolve_default()                 # without a registry: one line, then the fallback

@@ -17,6 +17,7 @@ A built-in model whose shipped files are missing from the install is refused in 
 else is served in its place. Built models live in `publish.user_cache_dir()`.
 """
 
+import os
 import sys
 
 from attnres.conversion.errors import UsageError
@@ -53,7 +54,9 @@ def _log(message: str) -> None:
 
 def resolve_model(name: str) -> str:
     """A model argument as vLLM takes it: a `builtin:` name becomes its folder (built on first use,
-    errors raised); an unknown `builtin:` name is refused; anything else is returned unchanged."""
+    errors raised); an unknown `builtin:` name is refused; a path starting with `~` is expanded (vLLM would
+    read it as a Hub repo id: a shell leaves `--model=~/m` and a quoted `'~/m'` as they are); anything else
+    is returned unchanged."""
     if name == DEFAULT_MODEL:
         return str(default_model.ensure_default_model(cache_dir(), log=_log))
     if name == RETROFIT_MODEL:
@@ -66,7 +69,7 @@ def resolve_model(name: str) -> str:
         return str(ensure_random_model(cache_dir()))
     if name.startswith(BUILTIN):
         raise UsageError(f"unknown built-in model {name!r}; the built-in models are {', '.join(BUILTIN_MODELS)}")
-    return name
+    return os.path.expanduser(name) if name.startswith("~") else name
 
 
 def resolve_default() -> tuple[str, str]:

@@ -193,6 +193,25 @@ def test_the_model_is_found_wherever_vllm_serve_takes_it(given, rest):
                     "--host", "127.0.0.1", *GRACE, *ALWAYS]
 
 
+def test_a_model_path_under_the_home_folder_is_expanded(tmp_path, monkeypatch):
+    """vLLM reads an unexpanded `~/m` as a Hub repo id (and fails after its imports); a shell leaves
+    `--model=~/m` and a quoted `'~/m'` as they are. The folder the start-up check found is the one served."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").symlink_to(shipped_model_path())
+    for given in (["~/m", "--port", "0"], ["--model=~/m", "--port", "0"], ["--port", "0", "~/m"]):   # any free port
+        argv = cli.serve_argv(given, cpu=False, env={})
+        assert argv[1] == str(tmp_path / "m"), (given, argv)
+        assert cli.startup_problem(argv) is None
+    problem = cli.startup_problem(cli.serve_argv(["~/absent", "--port", "0"], cpu=False, env={}))
+    assert f"{str(tmp_path / 'absent')!r} does not exist" in problem
+
+
+def test_the_vllm_habit_of_naming_the_serve_subcommand_is_refused_with_the_command_to_run():
+    fix = "`attnres-serve builtin:attnres-tiny --port 9`"
+    with pytest.raises(UsageError, match=rf"'serve' was read as the model.*{fix}"):
+        cli.serve_argv(["serve", "builtin:attnres-tiny", "--port", "9"], cpu=False, env={})
+
+
 def test_serve_argv_help_and_version_pass_through():
     assert cli.serve_argv(["--version"], cpu=True, env={}) == ["--version"]
     assert cli.serve_argv(["--help"], cpu=True, env={}) == ["serve", "--help"]
