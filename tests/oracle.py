@@ -14,9 +14,15 @@ def rms_norm(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def key_norm(x, gain, eps):
+    """The spec's key norm: RMSNorm, except that an all-zero source's key is 0 when eps = 0 as well."""
+    zero = (x.pow(2).mean(-1, keepdim=True) + eps) == 0
+    return torch.where(zero, torch.zeros_like(x), rms_norm(x, gain, eps))
+
+
 def naive_mix(sources, w, gain, eps):
-    """sum_i softmax_i(w . norm(s_i)) * s_i, over a Python list of [B, T, d] sources."""
-    scores = torch.stack([(rms_norm(s, gain, eps) * w).sum(-1) for s in sources])   # [n, B, T]
+    """sum_i softmax_i(w . key_norm(s_i)) * s_i, over a Python list of [B, T, d] sources."""
+    scores = torch.stack([(key_norm(s, gain, eps) * w).sum(-1) for s in sources])   # [n, B, T]
     probs = torch.softmax(scores, dim=0)
     return sum(p[..., None] * s for p, s in zip(probs, sources)), probs
 

@@ -69,9 +69,16 @@ def fold_queries(proj_weights: Tensor, norm_weights: Tensor) -> Tensor:
 
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
-    """`1 / sqrt(mean(x^2) + eps)` over the last dim. `[..., d] -> [...]`, accumulation dtype."""
+    """`1 / sqrt(mean(x^2) + eps)` over the last dim, and 0 where that sum is 0 (an all-zero row with `eps=0`:
+    its key is 0 and scores 0, as with any eps > 0; docs/spec.md). `[..., d] -> [...]`, accumulation dtype."""
     x = acc(x)
-    return torch.rsqrt((x * x).mean(-1) + eps)
+    squares = (x * x).mean(-1)
+    if eps > 0:
+        return torch.rsqrt(squares + eps)
+    # With eps = 0 a padded position's zero attention output, starting a new partial, would score 0 * inf = NaN,
+    # which attention then spreads to every token. The select keeps gradients finite (no rsqrt(0) in the graph).
+    nonzero = squares > 0
+    return torch.rsqrt(torch.where(nonzero, squares, 1.0)) * nonzero
 
 
 class DepthBank(NamedTuple):

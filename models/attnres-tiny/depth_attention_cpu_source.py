@@ -142,7 +142,8 @@ template <typename acc_t, typename src_t>
 static void softmax_weights(const src_t* S, const acc_t* inv, acc_t sp, acc_t ss, const acc_t* q, int64_t n,
                             int64_t d, acc_t eps, acc_t* w, int64_t ahead) {
   row_groups(S, n, d, [&](int64_t i, const src_t* const* rows, auto R) { dots<R()>(rows, q, d, w + i, ahead); });
-  w[n] = sp / std::sqrt(ss / d + eps);
+  const acc_t v = ss / d + eps;
+  w[n] = v > 0 ? sp / std::sqrt(v) : 0;             // an all-zero partial with eps = 0 scores 0 (docs/spec.md)
   acc_t m = w[n];
   for (int64_t i = 0; i < n; ++i) { w[i] *= inv[i]; m = std::max(m, w[i]); }
   acc_t z = 0;
@@ -205,7 +206,8 @@ static void push_token(const acc_t* p, int64_t d, acc_t eps, src_t* row, acc_t* 
     const acc_t r = static_cast<acc_t>(row[j]);
     ss += r * r;
   }
-  *inv = 1 / std::sqrt(ss / d + eps);
+  const acc_t v = ss / d + eps;
+  *inv = v > 0 ? 1 / std::sqrt(v) : 0;              // an all-zero row with eps = 0 scores 0 (docs/spec.md)
 }
 
 // `x` (any floating dtype, d elements) into acc_t numbers, or multiplied into them.

@@ -94,12 +94,19 @@ def triton_applies(partial: Tensor, in_graphs: bool = False) -> bool:
     return partial.device.type == "cuda" or (partial.device.type == "cpu" and _interpreting())
 
 
+def _inverse_rms(squares, d, eps):
+    """`1 / sqrt(squares / d + eps)` of a row, and 0 where that is 1 / 0: an all-zero row with eps = 0 scores 0,
+    as in `depth_attention.inverse_rms`."""
+    v = squares / d + eps
+    return tl.where(v > 0, tl.rsqrt(v), 0.0)
+
+
 def _online_mix(src_row, inv_row, p, q, n, d, eps, offs, mask, src_stride_n, inv_stride_n,
                 KEEP: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online softmax of one token row: the partial `p`'s score starts it and each of the `n` stored
     sources updates it. Returns `(acc, z, m, scores)`: the running weighted sum, sum of exp and max, and
     (with `KEEP`) every score, the partial's at index `n`."""
-    m = tl.sum(p * q, axis=0) * tl.rsqrt(tl.sum(p * p, axis=0) / d + eps)
+    m = tl.sum(p * q, axis=0) * _inverse_rms(tl.sum(p * p, axis=0), d, eps)
     z = tl.exp(m - m)                                # 1, in the accumulation dtype
     acc = p
     offs_n = tl.arange(0, BLOCK_N)
@@ -163,7 +170,7 @@ def _mix_row_chunked(src_ptr, inv_ptr, part_ptr, q_ptr, gain_ptr, out_ptr, w_ptr
             x = tl.load(src_row + i * src_stride_n + offs, mask=mask, other=0.0).to(ACC)
             dots = tl.where(offs_n == i, dots + tl.sum(x * q, axis=0), dots)
     inv = tl.load(inv_ptr + row * inv_stride_t + offs_n * inv_stride_n, mask=offs_n < n, other=0.0).to(ACC)
-    inv = tl.where(offs_n == n, tl.rsqrt(squares / d + eps), inv)
+    inv = tl.where(offs_n == n, _inverse_rms(squares, d, eps), inv)
     scores = tl.where(offs_n <= n, dots * inv, float("-inf"))
     e = tl.exp(scores - tl.max(scores, axis=0))
     weights = e / tl.sum(e, axis=0)
@@ -193,7 +200,7 @@ def _push_row(part_ptr, storage_ptr, inv_storage_ptr, n, d, eps, part_stride_t, 
         stored = tl.load(part_row + offs, mask=mask, other=0.0).to(storage_ptr.dtype.element_ty)
         tl.store(stored_row + offs, stored, mask=mask)
         squares += tl.sum(stored.to(ACC) * stored.to(ACC), axis=0)
-    tl.store(inv_storage_ptr + row * inv_stride_t + n, tl.rsqrt(squares / d + eps).to(
+    tl.store(inv_storage_ptr + row * inv_stride_t + n, _inverse_rms(squares, d, eps).to(
         inv_storage_ptr.dtype.element_ty))
 
 
@@ -241,7 +248,7 @@ def _boundary_row(src_ptr, inv_ptr, part_ptr, out_ptr, q_ptr, gain_ptr, new_ptr,
         else:
             stored = p.to(SRC).to(ACC)
         tl.store(src_row + n * src_stride_n + offs, stored.to(SRC), mask=mask)
-        tl.store(inv_ptr + row * inv_stride_t + n * inv_stride_n, tl.rsqrt(tl.sum(stored * stored, axis=0) / d + eps))
+        tl.store(inv_ptr + row * inv_stride_t + n * inv_stride_n, _inverse_rms(tl.sum(stored * stored, axis=0), d, eps))
     mixed = acc / z
     MIX = mix_ptr.dtype.element_ty
     if MIX == tl.bfloat16:
@@ -282,8 +289,9 @@ def _load_kernels() -> SimpleNamespace:
                 "wheels). Without it, run the torch path: `depth_attention.mix_site` / `push_source`."
             ) from error
         tl = language
-        global _round_bf16, _online_mix               # helpers the kernels call: Triton functions too
-        _round_bf16, _online_mix = triton.jit(_round_bf16), triton.jit(_online_mix)
+        global _round_bf16, _online_mix, _inverse_rms  # helpers the kernels call: Triton functions too
+        _round_bf16, _online_mix, _inverse_rms = triton.jit(_round_bf16), triton.jit(_online_mix), triton.jit(
+            _inverse_rms)
         # One compiled variant for every number of stored sources (Triton would specialise n == 1).
         jit = functools.partial(triton.jit, do_not_specialize=["n"])
         _kernels = SimpleNamespace(mix=jit(_mix_row), mix_chunked=jit(_mix_row_chunked), push=jit(_push_row),

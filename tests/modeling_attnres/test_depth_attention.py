@@ -110,6 +110,27 @@ def test_gradients_match_oracle():
     torch.testing.assert_close(query.grad, w2.grad)
 
 
+def test_an_all_zero_source_scores_zero_with_eps_zero_and_keeps_gradients_finite():
+    """With eps = 0 an all-zero row (stored, or the partial) has no RMS: it scores 0 (docs/spec.md), as for any
+    eps > 0, and its gradients stay finite; the oracle says so independently."""
+    sources, w, gain = random_case(4)
+    sources[1, 0, 2] = 0                                           # a stored source of one token
+    sources[3, 1] = 0                                              # the partial of three tokens
+    src = sources.clone().requires_grad_(True)
+    stored = empty_bank(src[0])
+    for source in src[:3]:
+        stored = push_source(stored, source, 0.0)
+    assert stored.inv_rms[0, 2, 1] == 0 and stored.inv_rms.isfinite().all()
+    query = fold_queries(w[None], gain[None])[0]
+    out, weights = mix_site(stored, src[3], query, 0.0, torch.float64, keep_weights=True)
+    expected, probs = naive_mix(list(sources), w, gain, 0.0)
+    assert expected.isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weights, probs.movedim(0, -1), rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    assert src.grad.isfinite().all()
+
+
 def test_push_source_builds_the_token_major_bank_with_inverse_rms():
     sources, _, _ = random_case(3)
     stored = empty_bank(sources[0])

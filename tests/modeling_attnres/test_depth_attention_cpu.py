@@ -85,6 +85,28 @@ def test_fused_push_source_writes_in_place_what_push_source_stores(dtype, bank_d
     torch.testing.assert_close(fused.inv_rms, ref.inv_rms, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_all_zero_source_scores_zero_with_eps_zero(dtype):
+    """With eps = 0, all-zero rows (a stored source, a new partial that closes a block) score 0 and are stored
+    with an inverse RMS of 0, as the torch path does (docs/spec.md), not 0 * inf."""
+    bank, partial, query, (stored, w, gain) = case(3, (2, 3), 300, dtype=dtype, seed=11, room=2)
+    zero_rows = torch.ones(2, 3, 1, dtype=dtype)
+    zero_rows[1], zero_rows[0, 2] = 0, 0
+    partial = partial * zero_rows[..., 0, None]                     # the partial of four tokens
+    bank.storage[0, 1, 1] = stored[1][0, 1] = 0                     # a stored source of one token
+    bank.inv_storage[..., :3] = bank.sources.pow(2).mean(-1).rsqrt().nan_to_num(posinf=0)    # as pushed with eps 0
+    with torch.no_grad():
+        got = cpu.fused_site_boundary(bank, None, partial, query, 0.0, True, None, 0.0, dtype, keep_weights=True)
+        ref = mix_site(bank, partial, query, 0.0, dtype, keep_weights=True)
+    expected, probs = naive_mix(stored[:-1] + [partial.double()], w, gain, 0.0)      # `stored` ends with the partial
+    tol = 1e-12 if dtype == torch.float64 else 5e-5              # float32: as the low-precision bank's test
+    assert got.mixed.isfinite().all() and got.weights.isfinite().all()
+    torch.testing.assert_close(got.mixed.double(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(got.weights.double(), probs.movedim(0, -1), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.weights, ref[1], rtol=tol, atol=tol)
+    assert torch.equal(got.bank.inv_rms[..., 3] == 0, zero_rows[..., 0] == 0)           # stored with 0, not inf
+
+
 @pytest.mark.parametrize("bank_dtype,tol", [(torch.bfloat16, 5e-5), (torch.float16, 5e-5)])
 def test_a_low_precision_preallocated_bank_matches_the_oracle_in_float32(bank_dtype, tol):
     """A bank read as float32 from bf16/fp16 storage: against the oracle on the same rounded sources only

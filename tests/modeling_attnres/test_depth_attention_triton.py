@@ -86,10 +86,24 @@ def make_case(n: int, tokens: tuple, d: int, bank_dtype=F64, part_dtype=F64, see
     return bank, partial, w, gain
 
 
-def oracle(bank: DepthBank, partial: torch.Tensor, w: torch.Tensor, gain: torch.Tensor):
+def zero_rows_case():
+    """As `make_case` (float64, 3 sources, room for 2 more), pushed with eps = 0, with all-zero rows: one token's
+    second stored source, and four tokens' partial."""
+    gen = torch.Generator().manual_seed(140)
+    values = torch.randn(4, 2, 3, 33, generator=gen, dtype=F64) * 3
+    values[1, 0, 1] = values[3, 1] = values[3, 0, 2] = 0
+    with torch.no_grad():
+        bank = empty_bank(values[3], 5, F64)
+        for value in values[:3]:
+            bank = push_source(bank, value, 0.0)
+    return bank, values[3], torch.randn(33, generator=gen, dtype=F64), 1 + 0.5 * torch.randn(33, generator=gen,
+                                                                                              dtype=F64)
+
+
+def oracle(bank: DepthBank, partial: torch.Tensor, w: torch.Tensor, gain: torch.Tensor, eps: float = EPS):
     """`naive_mix` in float64 over the sources as stored (already rounded to the bank's dtype)."""
     sources = list(bank.sources.double().movedim(-2, 0)) + [partial.double()]
-    mixed, probs = naive_mix(sources, w.double(), gain.double(), EPS)
+    mixed, probs = naive_mix(sources, w.double(), gain.double(), eps)
     return mixed, probs.movedim(0, -1)
 
 
@@ -124,6 +138,15 @@ def all_jobs() -> dict:
         bank, partial, output, w, gain, norm_weight = make_boundary(BF16, BF16, 3, 33, "add", seed=120, room=room)
         jobs[name] = dict(kind="boundary", bank=bank, partial=partial, output=output, proj=w, gain=gain,
                           norm_weight=norm_weight, dtype=BF16, closes=True, keep=True, chunk=chunk)
+    for name, chunk in (("zeros_mix", None), ("zeros_mix_chunked", 16)):        # all-zero rows with eps = 0
+        bank, partial, w, g = zero_rows_case()
+        jobs[name] = dict(kind="mix", bank=bank, partial=partial, dtype=F64, keep=True, query=w, gain=g, chunk=chunk,
+                          eps=0.0)
+    bank, partial, _, _ = zero_rows_case()
+    jobs["zeros_push"] = dict(kind="push", bank=bank, partial=partial, eps=0.0)
+    bank, partial, w, g = zero_rows_case()
+    jobs["zeros_boundary"] = dict(kind="boundary", bank=bank, partial=None, output=partial, proj=w[None], gain=g,
+                                  norm_weight=torch.ones(33, dtype=F64), dtype=F64, closes=True, keep=True, eps=0.0)
     return jobs
 
 
@@ -149,20 +172,21 @@ def _worker(jobs_path: str, results_path: str) -> None:
     results = {}
     torch.set_grad_enabled(False)
     for name, job in torch.load(jobs_path, weights_only=False).items():
+        eps = job.get("eps", EPS)
         if job["kind"] == "push":
             bank = job["bank"]
-            pushed = tri.triton_push_source(bank, job["partial"], EPS)
+            pushed = tri.triton_push_source(bank, job["partial"], eps)
             results[name] = (pushed, pushed.storage.data_ptr() == bank.storage.data_ptr())
             continue
         tri._MAX_BLOCK_D, tri._CHUNK_D = (job["chunk"], job["chunk"]) if job.get("chunk") else (16384, 4096)
         if job["kind"] == "boundary":
             storage = job["bank"].storage
-            got = tri.triton_site_boundary(job["bank"], job["partial"], job["output"], job["proj"], EPS, job["closes"],
+            got = tri.triton_site_boundary(job["bank"], job["partial"], job["output"], job["proj"], eps, job["closes"],
                                            job["norm_weight"], EPS, job["dtype"], keep_weights=job["keep"],
                                            keep_mixed=job["keep"], gain=job["gain"])
             results[name] = (got, got.bank.storage.data_ptr() == storage.data_ptr())
             continue
-        results[name] = tri.triton_mix_site(job["bank"], job["partial"], job["query"], EPS, job["dtype"],
+        results[name] = tri.triton_mix_site(job["bank"], job["partial"], job["query"], eps, job["dtype"],
                                             keep_weights=job["keep"], gain=job["gain"])
     tri._MAX_BLOCK_D, tri._CHUNK_D = 16384, 4096
     # The boundary op inside a compiled graph (aot_eager: the interpreter's kernels run on the CPU, where
@@ -399,6 +423,34 @@ def test_the_boundary_kernel_matches_the_reference_and_the_oracle(ran, i):
         expected, probs = naive_mix(list(bank.sources.movedim(-2, 0)) + [p], job["proj"][0], job["gain"], EPS)
         torch.testing.assert_close(got.mixed, expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got.weights, probs.movedim(0, -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["zeros_mix", "zeros_mix_chunked", "zeros_boundary"])
+def test_an_all_zero_source_scores_zero_with_eps_zero(ran, name):
+    """With eps = 0 all-zero rows (a stored source, the partial) score 0, as the oracle says (docs/spec.md), in
+    the mix, its chunked form and the boundary; the boundary stores the zero rows with an inverse RMS of 0."""
+    jobs, results = ran
+    job = jobs[name]
+    partial = job["partial"] if job["partial"] is not None else job["output"]
+    got = results[name][0] if name == "zeros_boundary" else None
+    out, weights = (got.mixed, got.weights) if got is not None else results[name]
+    expected, probs = oracle(job["bank"], partial, job["query"] if got is None else job["proj"][0], job["gain"], 0.0)
+    assert expected.isfinite().all() and out.isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weights, probs, rtol=1e-12, atol=1e-12)
+    if got is not None:
+        assert torch.equal(got.bank.inv_rms[..., 3] == 0, partial.abs().sum(-1) == 0)
+
+
+def test_push_source_with_eps_zero_stores_an_all_zero_row_with_an_inverse_rms_of_zero(ran):
+    jobs, results = ran
+    job = jobs["zeros_push"]
+    pushed, in_place = results["zeros_push"]
+    with torch.no_grad():
+        ref = push_source(DepthBank(job["bank"].storage.clone(), job["bank"].inv_storage.clone(), 3), job["partial"],
+                          0.0)
+    assert in_place and ref.inv_rms[1, 0, 3] == 0 and ref.inv_rms.isfinite().all()
+    torch.testing.assert_close(pushed.inv_rms, ref.inv_rms, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("name", ["boundary_full", "boundary_wide"])

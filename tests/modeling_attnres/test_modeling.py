@@ -143,22 +143,46 @@ def _flatten(value):
     return [t for item in value for t in _flatten(item)] if isinstance(value, tuple) else [value]
 
 
-def test_left_padded_batch_matches_each_prompt_alone():
-    model = tiny_model(seed=4, attn_res_block_size=2)
-    gen = torch.Generator().manual_seed(4)
+def left_padded(model, seed):
+    """Three prompts alone and as one left-padded batch `(ids, mask)`, padded with token 1 (token 0, the
+    config's pad token, has a zero embedding, which with eps = 0 makes Llama's own RMSNorm NaN at the pads)."""
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in (3, 7, 5)]
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.ones(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1
+    return prompts, ids, mask
+
+
+# sdpa gives a fully masked query (a left pad) a zero attention output: with eps = 0 a partial that starts
+# from it has a zero norm, which must score 0, not 0 * inf (NaN that attention then spreads to real tokens).
+@pytest.mark.parametrize("attn_implementation, eps", [("eager", 1e-6), ("sdpa", 0.0)])
+def test_left_padded_batch_matches_each_prompt_alone(attn_implementation, eps):
+    model = tiny_model(seed=4, attn_res_block_size=2, attn_implementation=attn_implementation, rms_norm_eps=eps)
+    prompts, ids, mask = left_padded(model, seed=4)
     kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
+        assert model(ids, attention_mask=mask).logits.isfinite().all()
         batched = model.generate(ids, attention_mask=mask, **kwargs)
         for i, p in enumerate(prompts):
             alone = model.generate(p[None], **kwargs)
-            assert torch.equal(batched[i, width:], alone[0, len(p):]), f"prompt {i}"
+            assert torch.equal(batched[i, ids.shape[1]:], alone[0, len(p):]), f"prompt {i}"
+
+
+def test_a_left_padded_batch_trains_with_eps_zero_under_sdpa():
+    """The training path (the torch reference, with autograd) gives the pads' zero partials a zero score
+    with a finite gradient: the loss and every gradient are finite, and the real tokens' logits are each prompt's."""
+    model = tiny_model(seed=6, attn_res_block_size=2, attn_implementation="sdpa", rms_norm_eps=0.0).train()
+    prompts, ids, mask = left_padded(model, seed=6)
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    out.loss.backward()
+    assert out.loss.isfinite() and all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            torch.testing.assert_close(out.logits[i, -len(p):], model(p[None]).logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_eager_and_sdpa_agree():
