@@ -347,10 +347,19 @@ def check_local_folder(folder: str, given_config: AttnResConfig | None) -> None:
 
 def check_not_foreign(config_dict: dict) -> None:
     """Raise `ForeignCheckpointError` for a config dict another AttnRes implementation wrote: its
-    `auto_map` points at other code, or it has none of this package's depth-attention fields. An empty
-    dict (what transformers reads from a folder without config.json) is nobody's: defaults, as for Llama."""
+    `auto_map` points at other code, or it has none of this package's depth-attention fields; and one of
+    another architecture (a Llama's: `model_type` is not `attnres`), which `attnres-convert` turns into an
+    AttnRes checkpoint. An empty dict (what transformers reads from a folder without config.json) is nobody's:
+    defaults, as for Llama."""
     if not config_dict:
         return
+    model_type = config_dict.get("model_type", "attnres")
+    if model_type != "attnres":
+        raise ForeignCheckpointError(
+            f"This config.json is a {model_type!r} checkpoint (architectures {config_dict.get('architectures')}), "
+            "not an AttnRes one. Convert it: attnres-convert PATH OUT writes an AttnRes checkpoint that computes "
+            "what the source does (Llama, Qwen2, Qwen3, Mistral and their mixtures of experts; docs/conversion.md); "
+            "or load it with its own class, AutoModelForCausalLM.from_pretrained(PATH).")
     auto_map = config_dict.get("auto_map") or {}
     if not isinstance(auto_map, dict):
         raise ValueError(f"config.json's auto_map must be a mapping of Auto class names to code, got {auto_map!r}; "

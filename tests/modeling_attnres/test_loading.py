@@ -7,11 +7,11 @@ import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 from modeling_attnres.configuration_attnres import ForeignCheckpointError
-from tests.support.models import tiny_config, tiny_model
+from tests.support.models import TINY, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("how", ["keyword", "config"])
@@ -65,6 +65,18 @@ def test_weights_without_a_config_are_refused_and_an_empty_folder_is_not_called_
     with pytest.raises(OSError, match="no file named model.safetensors"):         # transformers' own, as for Llama
         AttnResForCausalLM.from_pretrained(tmp_path / "empty")
     assert AttnResConfig.from_pretrained(tmp_path / "empty").to_dict() == AttnResConfig().to_dict()
+
+
+def test_a_checkpoint_of_another_architecture_is_told_to_convert(tmp_path):
+    LlamaForCausalLM(LlamaConfig(**{k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                          "num_hidden_layers", "num_attention_heads")})
+                     ).save_pretrained(tmp_path)
+    fix = r"not an AttnRes one\. Convert it: attnres-convert PATH OUT"
+    llama = r"'llama' checkpoint \(architectures \['LlamaForCausalLM'\]\), "
+    with pytest.raises(ForeignCheckpointError, match=llama + fix):
+        AttnResForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ForeignCheckpointError, match=fix):
+        AttnResConfig.from_dict(LlamaConfig().to_dict())
 
 
 def test_a_config_json_without_this_packages_fields_is_still_foreign(tmp_path):
