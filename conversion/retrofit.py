@@ -286,8 +286,14 @@ def load_model(path: Path):
     import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
 
     check_attnres(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:      # transformers' own words for a folder without tokenizer files
+        cause = str(err).strip().splitlines()[0].strip()[:200]
+        raise RetrofitError(f"{path} has no tokenizer that transformers can load ({type(err).__name__}: {cause}); "
+                            "retrofit tokenizes CORPUS with the model's tokenizer: copy the source model's tokenizer "
+                            "files into the folder (attnres-convert copies them when its source has them)") from err
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
 
 
 # ------------------------------------------------------------------------------------- training

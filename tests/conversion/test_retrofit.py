@@ -7,6 +7,7 @@ trained to use depth attention, so the depth parameters have something to learn 
 """
 
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -164,6 +165,11 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
                                  num_attention_heads=2)).save_pretrained(llama)
     assert "holds a 'llama' model, not an AttnRes one; convert it first" in error_of(capsys, llama, corpus)
     assert "no config.json" in error_of(capsys, tmp_path / "nowhere", corpus)
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(zeroed, untokenized, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*", "vocab*",
+                                                                        "merges*", "chat_template*"))
+    assert f"{untokenized} has no tokenizer that transformers can load" in error_of(capsys, untokenized, corpus,
+                                                                                   *RETROFIT_ARGS)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "holds no files matching *.py" in error_of(capsys, zeroed, empty, "--pattern", "*.py")
