@@ -191,9 +191,12 @@ def check_port(args: list[str]) -> None:
 def take_model(args: list[str]) -> tuple[str | None, list[str]]:
     """The model `vllm serve args` names and the other arguments (`(None, args)` when none is named), as
     vLLM reads them: the first argument, else the first `--model`, else the positional among options."""
+    named = sum(a == "--model" or a.startswith("--model=") for a in args)
     if args and not args[0].startswith("-"):
+        if named:
+            raise UsageError(f"the model is named twice, as {args[0]!r} and with --model; name it once")
         return args[0], args[1:]
-    if sum(a == "--model" or a.startswith("--model=") for a in args) > 1:
+    if named > 1:
         raise UsageError("--model is given more than once; name the model once")
     for i, arg in enumerate(args):
         if arg == "--model" or arg.startswith("--model="):

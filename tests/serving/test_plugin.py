@@ -206,7 +206,9 @@ def test_a_model_path_under_the_home_folder_is_expanded(tmp_path, monkeypatch):
     assert f"{str(tmp_path / 'absent')!r} does not exist" in problem
 
 
-def test_the_vllm_habit_of_naming_the_serve_subcommand_is_refused_with_the_command_to_run():
+def test_a_model_named_twice_or_after_a_serve_subcommand_is_refused_saying_what_to_run():
+    with pytest.raises(UsageError, match="the model is named twice, as 'builtin:attnres-tiny' and with --model"):
+        cli.serve_argv(["builtin:attnres-tiny", "--model", "builtin:attnres-random"], cpu=False, env={})
     fix = "`attnres-serve builtin:attnres-tiny --port 9`"
     with pytest.raises(UsageError, match=rf"'serve' was read as the model.*{fix}"):
         cli.serve_argv(["serve", "builtin:attnres-tiny", "--port", "9"], cpu=False, env={})
