@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -93,7 +92,6 @@ def follow_gap(llm, policy, prompt: list[int], completion: list[int]) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # the engine in this process
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -4,7 +4,8 @@
     update_weights(llm, [("model.layers.0.self_attn.q_proj.weight", q), ...])
 
 `update_weights` sends transformers-named tensors (any subset, one or many per call) to every worker
-(`collective_rpc`), where `AttnResWeightUpdates.attnres_update_weights`:
+(`collective_rpc`; to an engine in another process, vLLM's default, as `encode_tensor`'s raw bytes), where
+`AttnResWeightUpdates.attnres_update_weights`:
 
 1. checks every name, shape and dtype against the checkpoint format (`check_update`): an unknown name,
    a wrong shape or a non-float dtype is a `ValueError` naming it, raised before anything is touched;
@@ -37,9 +38,31 @@ WORKER_EXTENSION = f"{__name__}.AttnResWeightUpdates"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def as_tensor(value) -> torch.Tensor:
-    """A tensor, or nested lists of numbers (what a JSON request carries), as a CPU tensor."""
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32)
+def encode_tensor(tensor: torch.Tensor) -> dict:
+    """`{"dtype", "shape", "data"}` with the tensor's raw bytes: what reaches an engine in another process intact.
+    vLLM's msgpack hop sends a tensor in untyped arguments as a `[dtype, shape, buffer]` list that nothing turns
+    back into a tensor (a small one as a memoryview, which the engine cannot pass on to its workers)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return {"dtype": str(flat.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "data": flat.view(torch.uint8).numpy().tobytes()}
+
+
+def as_tensor(name: str, value) -> torch.Tensor:
+    """A tensor, `encode_tensor`'s dict or nested lists of numbers (what a JSON request carries), as a CPU tensor;
+    anything else is a `ValueError` naming the weight."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict) and value.keys() == {"dtype", "shape", "data"}:
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if isinstance(dtype, torch.dtype):
+            data = bytearray(value["data"])                       # writable: the model may keep the tensor
+            flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            return flat.reshape(value["shape"])
+    try:
+        return torch.tensor(value, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{name}: got {type(value).__name__} {str(value)[:80]}, expected a tensor, nested lists of "
+                         f"numbers or encode_tensor's dict ({err}); send tensors with update_weights") from None
 
 
 def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -165,7 +188,7 @@ class AttnResWeightUpdates:
         a JSON string of `[name, nested list]` pairs (what vLLM's `/collective_rpc` route passes on)."""
         model = self.model_runner.get_model()
         weights = json.loads(weights) if isinstance(weights, str) else weights
-        named = [(str(name), as_tensor(value)) for name, value in weights]
+        named = [(str(name), as_tensor(str(name), value)) for name, value in weights]
         check_update(model, named)
         self.model_runner.reload_weights(weights_iterator=complete_update(model, named))
         keys = sorted(model.resolve_checkpoint_key(name) for name, _ in named)
@@ -192,9 +215,16 @@ def refresh_tied_head(model: nn.Module, keys: list[str]) -> None:
 
 def update_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Update an offline `vllm.LLM` (made with `worker_extension_cls=WORKER_EXTENSION`) in place and drop
-    its prefix cache, whose entries were computed with the old weights."""
-    llm.collective_rpc("attnres_update_weights", args=(list(weights),))
+    its prefix cache, whose entries were computed with the old weights. An engine in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) gets the tensors themselves, one in another process their bytes."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    weights = list(weights)
+    if not isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient):
+        weights = [(name, encode_tensor(tensor)) for name, tensor in weights]
+    llm.collective_rpc("attnres_update_weights", args=(weights,))
     llm.reset_prefix_cache()
 
 
-__all__ = ["WORKER_EXTENSION", "AttnResWeightUpdates", "check_update", "complete_update", "update_weights"]
+__all__ = ["WORKER_EXTENSION", "AttnResWeightUpdates", "check_update", "complete_update", "encode_tensor",
+           "update_weights"]

@@ -1,6 +1,7 @@
-"""`examples/rl_grpo.py`: a GRPO loop with vLLM as the generator on CPU, run as a user runs it. After every
-weight sync vLLM's logprobs equal transformers' on the updated policy (float32 noise), while the step
-moved them by far more: the generator follows the trainer."""
+"""`examples/rl_grpo.py`: a GRPO loop with vLLM as the generator on CPU, run as a user runs it (vLLM's default
+engine, in a process of its own, so the weights cross a process boundary). After every weight sync vLLM's
+logprobs equal transformers' on the updated policy (float32 noise), while the step moved them by far more:
+the generator follows the trainer."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from tests.support.processes import run_bounded
 def test_the_generator_follows_the_trainer_after_every_step(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "model", seed=5)
     done = run_bounded([sys.executable, str(EXAMPLES / "rl_grpo.py"), "--model", str(model), "--steps", "3"],
-                       timeout=240, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                       timeout=240, env={k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [s["step"] for s in steps] == [1, 2, 3], done.stdout

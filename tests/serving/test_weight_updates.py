@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from attnres.serving.weights import WORKER_EXTENSION, update_weights
+from attnres.serving.weights import WORKER_EXTENSION, as_tensor, encode_tensor, update_weights
 from tests.support.engines import free_llm, generate, make_llm
 from tests.support.models import perturbed_copy
 from tests.support.parity import PROMPTS, assert_matches, reference
@@ -84,6 +84,27 @@ def test_a_mixture_of_experts_takes_router_and_shared_expert_updates(checkpoints
         assert_matches("MoE after a refused expert update", generate(llm, PROMPTS, STEPS, logprobs=5), after)
     finally:
         free_llm(llm)
+
+
+def test_encoded_tensors_cross_vllms_process_boundary_intact():
+    """To an engine in another process the arguments go through vLLM's msgpack (untyped) and then pickle to
+    the workers: a tensor does not come out of that (examples/rl_grpo.py runs the real engine), its
+    `encode_tensor` form does, in every dtype and shape; anything else is refused naming the weight."""
+    import pickle
+
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    def cross(value):
+        return pickle.loads(pickle.dumps(MsgpackDecoder().decode(MsgpackEncoder().encode(value))))
+
+    gen = torch.Generator().manual_seed(0)
+    for tensor in (torch.randn(64, 64, generator=gen), torch.randn(3, 5, generator=gen).bfloat16().t(),
+                   torch.randn(7, generator=gen).half(), torch.tensor(2.5), torch.zeros(0, 4)):
+        got = as_tensor("w", cross(encode_tensor(tensor)))
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
+    assert not isinstance(cross(torch.randn(64, 64)), torch.Tensor)
+    with pytest.raises(ValueError, match=r"model.norm.weight: got list .* expected a tensor"):
+        as_tensor("model.norm.weight", ["float32", [64, 64], 0])
 
 
 # The module's server (tests/serving/conftest.py): the same base checkpoint, dev mode for /collective_rpc.
