@@ -49,7 +49,10 @@ def hub_reason(err: BaseException, revision: str | None = None, writing: bool = 
         return "the local Hub cache holds only part of it (download it again while online)"
     if isinstance(err, errors.OfflineModeIsEnabled) or isinstance(cause, errors.OfflineModeIsEnabled) or (
             isinstance(err, errors.LocalEntryNotFoundError) and cause is None and constants.is_offline_mode()):
-        return ("it is not in the local Hub cache, and offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) "
+        if writing:
+            return "offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) forbids uploading; unset it to push"
+        at = f" at revision {revision!r}" if revision is not None else ""
+        return (f"it is not in the local Hub cache{at}, and offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) "
                 "forbids downloading it")
     if isinstance(err, errors.LocalEntryNotFoundError) and cause is not None:   # the Hub failed, no cached copy
         return f"{hub_reason(cause, revision, writing)}; it is not in the local Hub cache either"

@@ -17,7 +17,12 @@ REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md")
 
 def require_token(repo_id: str, token: str | None = None) -> None:
     """Refuse a push that has no Hub token to send (`token`, else `HF_TOKEN` or a saved login) before any
-    work: the Hub would refuse it only after the conversion."""
+    work: the Hub would refuse it only after the conversion. Offline mode forbids it the same way."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        raise ConversionError(f"--push-to-hub {repo_id} needs the Hub, and offline mode (HF_HUB_OFFLINE=1 or "
+                              "TRANSFORMERS_OFFLINE=1) forbids reaching it; unset the variable for this command.")
     if token is None and get_token() is None:
         raise ConversionError(f"--push-to-hub {repo_id} needs a Hub token and none was found; log in with "
                               "`hf auth login` or set HF_TOKEN, then run again.")

@@ -20,7 +20,8 @@ from huggingface_hub import errors as hub_errors
 from transformers import AutoModelForCausalLM
 
 from attnres.conversion.cli import main
-from attnres.conversion.errors import hub_reason
+from attnres.conversion.errors import ConversionError, hub_reason
+from attnres.conversion.hub import require_token
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.conversion.builders import hub_cache_snapshot, rel_diff, save_source, source_model, token_ids
 from tests.conversion.fake_hub import FakeHub
@@ -171,7 +172,8 @@ def wrapped(outer: Exception, cause: Exception) -> Exception:
     (hub_errors.LocalTokenNotFoundError("Token is required.\nSee https://..."), "no Hub token was found"),
     (wrapped(hub_errors.LocalEntryNotFoundError("Cannot find...\nset 'HF_HUB_OFFLINE=0'"),
              hub_errors.OfflineModeIsEnabled("offline")),
-     "it is not in the local Hub cache, and offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1)"),
+     "it is not in the local Hub cache at revision 'v2', and offline mode (HF_HUB_OFFLINE=1 or "
+     "TRANSFORMERS_OFFLINE=1)"),
     (wrapped(hub_errors.LocalEntryNotFoundError("Got: ConnectError...\nPlease check your internet connection"),
              httpx.ConnectError("[Errno 111] Connection refused\nmore")),
      "the Hub could not be reached (ConnectError: [Errno 111] Connection refused; check the network or HF_ENDPOINT); "
@@ -184,6 +186,17 @@ def wrapped(outer: Exception, cause: Exception) -> Exception:
 def test_hub_failures_are_named_in_one_line_with_their_fix(err, reason):
     got = hub_reason(err, revision="v2")
     assert "\n" not in got and got.startswith(reason), got
+
+
+def test_offline_mode_names_the_revision_and_refuses_a_push(monkeypatch):
+    offline = wrapped(hub_errors.LocalEntryNotFoundError("Cannot find...\n"), hub_errors.OfflineModeIsEnabled("off"))
+    assert hub_reason(offline, revision="nosuch").startswith("it is not in the local Hub cache at revision 'nosuch', "
+                                                             "and offline mode")
+    assert hub_reason(offline, writing=True).startswith("offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) "
+                                                        "forbids uploading")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConversionError, match="needs the Hub, and offline mode .* forbids reaching it; unset"):
+        require_token("me/tiny-attnres", token="hf_x")
 
 
 def test_a_push_is_told_it_needs_write_access():
