@@ -138,11 +138,13 @@ def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOpt
 
 def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
     state_dict, stored_config = load_state_dict_file(path)
-    config_path = options.config_path or (path.parent / "config.json")
-    if options.config_path is not None or config_path.exists():
-        config = _read_json(config_path)
-    elif stored_config is not None:
+    sibling = path.parent / "config.json"
+    if options.config_path is not None:
+        config = _read_json(options.config_path)
+    elif stored_config is not None:                  # the file's own config, over whatever lies beside it
         config = stored_config
+    elif sibling.exists():
+        config = _read_json(sibling)
     else:
         raise ConversionError(f"{path} is a bare state dict with no config: pass --config CONFIG.json (Llama "
                               "field names: hidden_size, num_attention_heads, ...) or put config.json next to it.")

@@ -115,6 +115,19 @@ def test_training_config_junk_is_dropped_and_inapplicable_options_refused(tmp_pa
     assert "lr" not in saved and saved["rope_parameters"]["rope_theta"] == 5e5
 
 
+def test_a_files_own_config_comes_before_a_config_json_beside_it(tmp_path):
+    """`{"model", "config"}` in a run folder whose config.json lacks the block size: the file's config is
+    read (it converts, block size 4); `--config` still comes first."""
+    model = tiny_model(seed=13)
+    config = seed_config(model, 4)
+    torch.save({"model": seed_state_dict(model), "config": config}, tmp_path / "ckpt.pt")
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "block_size"}))
+    convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(verify=False))
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["attn_res_block_size"] == 4 // 2
+    with pytest.raises(ConversionError, match="block size is unknown"):
+        convert(tmp_path / "ckpt.pt", tmp_path / "dst2", ConvertOptions(config_path=tmp_path / "config.json"))
+
+
 def test_two_naming_variants_of_one_tensor_are_refused(tmp_path):
     model = tiny_model(seed=12)
     sd = seed_state_dict(model)
