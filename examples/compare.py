@@ -1,6 +1,6 @@
 """Print the README's comparison tables from training runs of `examples/train.py`.
 
-    .venv/bin/python examples/compare.py /tmp/attnres-train/block /tmp/attnres-train/full /tmp/attnres-train/llama
+    .venv/bin/python examples/compare.py ~/.cache/attnres/train/{block,full,llama}     # the default --work-dir
 
 Each argument is a `--work-dir` of `examples/train.py` (it holds `checkpoint.pt` and, once the run
 has finished, `metrics.json`). Two tables:
