@@ -173,6 +173,15 @@ def check_attnres(path: Path) -> dict:
     return config
 
 
+def check_positions(seq_len: int, config: dict) -> None:
+    """Refuse windows longer than the model's positions: training there would fit the depth attention to
+    positions the model was never trained on (and that its rope scaling may not cover)."""
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and seq_len > limit:
+        raise UsageError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({limit}); "
+                         f"pass --seq-len {limit} or less")
+
+
 # ----------------------------------------------------------------------------------------- data
 
 
@@ -466,7 +475,7 @@ def retrofit(args) -> dict:
     check_args(args, world_size)
     check_outputs(args)
     check_distributed(world_size)
-    check_attnres(args.model)
+    check_positions(args.seq_len, check_attnres(args.model))
     texts = read_corpus(args.corpus, args.pattern, args.validation_percent)
     record = run_record(args, texts)
     if args.resume:

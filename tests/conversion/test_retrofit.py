@@ -178,9 +178,14 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
     assert "does not exist" in error_of(capsys, zeroed, tmp_path / "missing")
     assert "no validation files" in error_of(capsys, zeroed, corpus, "--pattern", "*.py",
                                               "--validation-percent", "1")
-    assert "shorter than one window of --seq-len 100000" in error_of(capsys, zeroed, corpus, "--pattern", "*.py",
-                                                                       "--validation-percent", "20",
-                                                                       "--seq-len", "100000")
+    for letter in "abcdefghijklmnop":                   # short files: a few tokens in either split
+        (empty / f"{letter}.txt").write_text(f"def {letter}(): pass\n")
+    assert "shorter than one window of --seq-len 200" in error_of(capsys, zeroed, empty, "--validation-percent", "50",
+                                                                    "--seq-len", "200")
+    assert retrofit.main([str(zeroed), str(corpus), "--seq-len", "257"]) == 2       # bad usage, before any work
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "attnres-retrofit: error: --seq-len 257 is longer than the model's max_position_embeddings (256); "
+        "pass --seq-len 256 or less")
     assert "no complete checkpoint-* folder" in error_of(capsys, zeroed, corpus, *RETROFIT_ARGS, "--resume",
                                                 "--work-dir", tmp_path / "none")
     assert "--batch-size 3 (the global batch) must be a multiple of the 2 processes" in str(
