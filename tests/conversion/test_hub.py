@@ -17,7 +17,7 @@ import pytest
 import torch
 from huggingface_hub import constants
 from huggingface_hub import errors as hub_errors
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres.conversion.cli import main
 from attnres.conversion.errors import ConversionError, hub_reason
@@ -36,10 +36,12 @@ from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(sys.argv[3], trust_remote_code=True, dtype=torch.float32).eval()
 with torch.no_grad():
     logits = model(torch.load(sys.argv[4])).logits
+from transformers import AutoTokenizer
+tokens = AutoTokenizer.from_pretrained(sys.argv[3], trust_remote_code=True)("def f(x):")["input_ids"]
 from attnres.conversion.cli import main
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 status = main([sys.argv[1], sys.argv[2]])                       # SRC pulled by repo id from the cache
-torch.save({"status": status, "logits": logits, "module": type(model).__module__}, sys.argv[5])
+torch.save({"status": status, "logits": logits, "module": type(model).__module__, "tokens": tokens}, sys.argv[5])
 """
 
 
@@ -61,10 +63,11 @@ def hub_run(tmp_path_factory):
     env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp / "cache"), HF_HOME=str(tmp / "hf_home"),
                HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "offline.py", "tiny-org/qwen3", str(tmp / "pulled"), "me/tiny-attnres",
-                           "ids.pt", "out.pt"], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+                           "ids.pt", "out.pt"], cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(tmp=tmp, hub=hub, push_status=status, offline=torch.load(tmp / "out.pt"), stdout=proc.stdout,
-                pulled_src=pulled_src)
+                stderr=proc.stderr, pulled_src=pulled_src)
 
 
 def test_push_goes_through_the_upload_client(hub_run):
@@ -84,6 +87,10 @@ def test_pushed_repo_loads_from_pretrained_with_remote_code(hub_run):
     local = AutoModelForCausalLM.from_pretrained(hub_run["tmp"] / "pushed", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(offline["logits"], local(token_ids()).logits, rtol=1e-6, atol=1e-6)
+    # The tokenizer as the README loads it: its config is remote code too, so without trust_remote_code
+    # transformers asks before running it.
+    assert offline["tokens"] == AutoTokenizer.from_pretrained(hub_run["tmp"] / "pushed")("def f(x):")["input_ids"]
+    assert "Do you wish to run the custom code" not in hub_run["stdout"] + hub_run["stderr"]
 
 
 def test_source_pulled_by_repo_id_offline(hub_run):
