@@ -17,7 +17,8 @@ autograd and on other devices. The kernel is on by default: it is built from its
 (`depth_attention_cpu_source.py`) with `torch.utils.cpp_extension.load_inline` at first use (a C++
 compiler and ninja are needed; 35-45 s on 2 cores, logged in one line, then cached in torch's
 extensions directory). Where it cannot be built, one line says so and depth attention stays on the
-torch path (same results). It is turned off by `ATTNRES_CPU_KERNEL=0` or `enable_cpu_kernel(False)`.
+torch path (the same maths; a bfloat16/float16 model's blocks stay float32 there, `site_bank`, so its
+outputs differ by their rounding). It is turned off by `ATTNRES_CPU_KERNEL=0` or `enable_cpu_kernel(False)`.
 
 Inside `torch.compile` the sites are left to Inductor's generated code unless asked for with
 `enable_cpu_kernel(compiled=True)` / `ATTNRES_CPU_KERNEL=compiled`: then they run as the custom ops
@@ -140,7 +141,7 @@ def _build():
             raise RuntimeError(
                 f"Could not build the AttnRes CPU kernel ({type(error).__name__}: {error}). It needs a C++ "
                 "compiler (g++ or clang++) and `ninja` (pip install ninja); without them turn it off "
-                "(ATTNRES_CPU_KERNEL=0): the torch path computes the same thing."
+                "(ATTNRES_CPU_KERNEL=0): the torch path computes the same depth attention."
             ) from error
         seconds = time.perf_counter() - start
         if seconds > 5:                               # compiled now, not loaded from the cache
@@ -160,7 +161,7 @@ def _first_use() -> bool:
         _enabled = False
         cause = str(error.__cause__ or error).strip().splitlines()
         logger.warning("AttnRes: the fused C++ CPU kernel could not be built (%s: %s); depth attention runs on "
-                       "the torch path (same results, slower eager decoding). It needs a C++ compiler and ninja "
+                       "the torch path (the same maths, slower eager decoding). It needs a C++ compiler and ninja "
                        "(pip install ninja); ATTNRES_CPU_KERNEL=0 silences this.",
                        type(error.__cause__ or error).__name__, (cause[0] if cause else "")[:200])
         return False
