@@ -158,14 +158,17 @@ class AttnResConfig(LlamaConfig):
                 raise ValueError(f"AttnResConfig.{name} must be a finite number >= 0, got {value!r}; "
                                  "set it in config.json (rms_norm_eps is typically 1e-6, or 0 for exact conversions).")
         if not self.attention_dropout < 1:
-            raise ValueError(f"AttnResConfig.attention_dropout must be < 1, got {self.attention_dropout!r}.")
+            raise ValueError(f"AttnResConfig.attention_dropout is a probability and must be < 1, got "
+                             f"{self.attention_dropout!r}; use 0.0 for none (Llama's default).")
         if not (isinstance(self.max_position_embeddings, int) and self.max_position_embeddings >= 1):
             raise ValueError("AttnResConfig.max_position_embeddings must be a positive integer, got "
-                             f"{self.max_position_embeddings!r}.")
+                             f"{self.max_position_embeddings!r}; set it to the longest sequence the model takes "
+                             "(the source model's value, e.g. 2048).")
         rope = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
         theta = rope.get("rope_theta", 1.0)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"AttnResConfig.rope_parameters['rope_theta'] must be a finite number > 0, got {theta!r}.")
+            raise ValueError(f"AttnResConfig.rope_parameters['rope_theta'] must be a finite number > 0, got {theta!r}; "
+                             "use the source model's (Llama 2: 10000.0, Llama 3: 500000.0).")
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"AttnResConfig.hidden_act {self.hidden_act!r} is not an activation transformers knows; "
                              f"use one of {', '.join(sorted(ACT2FN)[:8])}, ... (Llama's is 'silu').")
@@ -177,7 +180,8 @@ class AttnResConfig(LlamaConfig):
                      "num_key_value_heads", "head_dim"):
             value, limit = getattr(self, name), MAX_LAYERS if name == "num_hidden_layers" else MAX_SIZE
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-                raise ValueError(f"AttnResConfig.{name} must be a positive integer up to {limit}, got {value!r}.")
+                raise ValueError(f"AttnResConfig.{name} must be a positive integer up to {limit}, got {value!r}; "
+                                 "give the model's own size (a config written by save_pretrained has it).")
         super().validate_architecture()
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
@@ -186,7 +190,9 @@ class AttnResConfig(LlamaConfig):
                 f"choose num_key_value_heads among the divisors of {self.num_attention_heads}."
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"AttnResConfig.head_dim must be even for rotary embeddings, got {self.head_dim}.")
+            raise ValueError(f"AttnResConfig.head_dim must be even for rotary embeddings, got {self.head_dim}; the "
+                             f"usual one is hidden_size // num_attention_heads "
+                             f"({self.hidden_size // self.num_attention_heads} here).")
 
     def validate_experts(self):
         """The mixture-of-experts fields; runs on construction and load."""
@@ -206,10 +212,10 @@ class AttnResConfig(LlamaConfig):
         outside = [l for l in self.mlp_only_layers if not 0 <= l < self.num_hidden_layers]
         if outside:
             raise ValueError(f"AttnResConfig.mlp_only_layers names layers {outside} outside "
-                             f"0..{self.num_hidden_layers - 1}.")
+                             f"0..{self.num_hidden_layers - 1}; list dense layers by their 0-based index.")
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ValueError(f"AttnResConfig.router_aux_loss_coef must be a finite number >= 0, got "
-                             f"{self.router_aux_loss_coef!r}.")
+                             f"{self.router_aux_loss_coef!r}; 0 turns the load-balancing loss off (Qwen's is 0.001).")
         if not self.sparse_layers:
             raise ValueError(f"AttnResConfig.num_experts is {self.num_experts} but no layer is sparse "
                              f"(decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
@@ -233,10 +239,12 @@ class AttnResConfig(LlamaConfig):
                 'Use "block" for Block AttnRes (with attn_res_block_size) or "full" for Full AttnRes.'
             )
         if self.attn_res_block_size < 1:
+            fix = ("Full AttnRes does not use it: leave it at its default, 2" if self.attn_res_mode == "full" else
+                   "The paper recommends about 8 blocks: attn_res_block_size = ceil(num_hidden_layers / 8) = "
+                   f"{-(-self.num_hidden_layers // 8)} here")
             raise ValueError(
                 f"AttnResConfig.attn_res_block_size is the number of transformer layers per block and must be "
-                f">= 1, got {self.attn_res_block_size}. The paper recommends about 8 blocks: "
-                f"attn_res_block_size = ceil(num_hidden_layers / 8) = {-(-self.num_hidden_layers // 8)} here."
+                f">= 1, got {self.attn_res_block_size}. {fix}."
             )
 
     def validate_attn_res_bank_dtype(self):

@@ -40,7 +40,13 @@ def test_save_load_round_trip(tmp_path):
         (dict(attn_res_block_size=-2), "got -2"),
         (dict(num_attention_heads=4, num_key_value_heads=3),
          "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
-        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer up to 4096, got 0"),
+        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer up to 4096, got 0; give the "),
+        (dict(attn_res_mode="full", attn_res_block_size=0), "Full AttnRes does not use it: leave it at its default"),
+        (dict(attention_dropout=1.0), "must be < 1, got 1.0; use 0.0 for none"),
+        (dict(max_position_embeddings=0), "got 0; set it to the longest sequence the model takes"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), "got 0.0; use the source model's"),
+        (dict(hidden_size=24, num_attention_heads=8, num_key_value_heads=8, head_dim=3),
+         "head_dim must be even for rotary embeddings, got 3; the usual one is hidden_size // num_attention_heads"),
     ],
 )
 def test_invalid_values_raise_at_construction(overrides, fragment):
