@@ -6,6 +6,7 @@ types on construction and assignment, and runs every `validate_*` method on cons
 `from_pretrained` and on `save_pretrained`.
 """
 
+import functools
 import math
 import os
 import re
@@ -353,12 +354,33 @@ def check_local_folder(folder: str, given_config: AttnResConfig | None) -> None:
                          "attnres-convert wrote (with subfolder= if the checkpoint is in one), or config=.")
 
 
+# Keys of older configs that transformers still reads (as it does for Llama), beside AttnResConfig's own.
+LEGACY_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype", "auto_map", "quantization_config"})
+
+
+@functools.cache
+def own_keys() -> frozenset[str]:
+    """Every key an AttnResConfig's config.json may hold."""
+    return frozenset(AttnResConfig().to_dict()) | LEGACY_KEYS
+
+
+def reads_as_ours(config_dict: dict) -> bool:
+    """Whether a config dict without this package's depth-attention fields is still this package's: every
+    key is one an AttnResConfig has and every architecture one of its classes (a hand-written config that
+    relies on the defaults, as a Llama one may). Another implementation's config names fields or classes of
+    its own."""
+    classes = {path.rsplit(".", 1)[-1] for path in AUTO_MAP.values()}
+    architectures = config_dict.get("architectures") or []
+    return set(config_dict) <= own_keys() and isinstance(architectures, list) and set(architectures) <= classes
+
+
 def check_not_foreign(config_dict: dict) -> None:
     """Raise `ForeignCheckpointError` for a config dict another AttnRes implementation wrote: its
-    `auto_map` points at other code, or it has none of this package's depth-attention fields; and one of
-    another architecture (a Llama's: `model_type` is not `attnres`), which `attnres-convert` turns into an
-    AttnRes checkpoint. An empty dict (what transformers reads from a folder without config.json) is nobody's:
-    defaults, as for Llama."""
+    `auto_map` points at other code, or it has none of this package's depth-attention fields and fields
+    or classes of its own (`reads_as_ours`); and one of another architecture (a Llama's: `model_type` is
+    not `attnres`), which `attnres-convert` turns into an AttnRes checkpoint. A dict of this package's keys
+    alone (an empty one is what transformers reads from a folder without config.json) takes the defaults,
+    as for Llama."""
     if not config_dict:
         return
     model_type = config_dict.get("model_type", "attnres")
@@ -374,18 +396,20 @@ def check_not_foreign(config_dict: dict) -> None:
                          "remove it, or write it as save_pretrained does.")
     foreign_code = {k: v for k, v in auto_map.items() if k in AUTO_MAP and str(v).split("--")[-1] != AUTO_MAP[k]}
     ours = [k for k in ("attn_res_mode", "attn_res_block_size") if k in config_dict]
-    if not foreign_code and ours:
+    if not foreign_code and (ours or reads_as_ours(config_dict)):
         return
+    others = sorted(set(config_dict) - own_keys())
     found = (f"auto_map {foreign_code}" if foreign_code else
-             f"none of this package's fields (attn_res_mode, attn_res_block_size); its keys: "
-             f"{', '.join(sorted(config_dict)[:12])}")
+             f"none of this package's fields (attn_res_mode, attn_res_block_size); fields it has that "
+             f"AttnResConfig has not: {', '.join(others[:12]) or 'none'}")
     raise ForeignCheckpointError(
         f"This config.json says model_type 'attnres' but was written by other AttnRes code ({found}, "
         f"architectures {config_dict.get('architectures')}); its fields and parameter names are not those of "
         "this package's AttnResConfig. Either load it with its own code, in a process that has not imported "
         "modeling_attnres or the attnres vLLM plugin: AutoModelForCausalLM.from_pretrained(PATH, "
         "trust_remote_code=True); or convert its weights to this package's layout: attnres-convert PATH OUT "
-        "(other AttnRes layouts are read by name, see docs/conversion.md).")
+        "(other AttnRes layouts are read by name, see docs/conversion.md). A config.json written by hand for this "
+        "package names attn_res_mode and attn_res_block_size; add them.")
 
 
 __all__ = ["AUTO_MAP", "SEED_SITE_ALIASES", "AttnResConfig", "DepthSite", "ForeignCheckpointError",

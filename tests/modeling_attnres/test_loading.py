@@ -79,10 +79,22 @@ def test_a_checkpoint_of_another_architecture_is_told_to_convert(tmp_path):
         AttnResConfig.from_dict(LlamaConfig().to_dict())
 
 
-def test_a_config_json_without_this_packages_fields_is_still_foreign(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "attnres", "hidden_size": 32}))
-    with pytest.raises(ForeignCheckpointError, match="written by other AttnRes code"):
-        AttnResConfig.from_pretrained(tmp_path)
+def test_a_config_json_without_this_packages_fields_takes_the_defaults_unless_it_names_others(tmp_path):
+    """A hand-written config of AttnResConfig's keys alone takes the defaults, as a Llama one does; one
+    that also names fields or classes of its own is another implementation's."""
+    sizes = {"model_type": "attnres", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "num_hidden_layers": 3, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps({**sizes, "architectures": ["AttnResForCausalLM"]}))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert (config.hidden_size, config.num_hidden_layers, config.attn_res_mode, config.attn_res_block_size) == (
+        64, 3, "block", 2)
+    for extra in ({"n_blocks": 4}, {"architectures": ["BlockAttnResLM"]}):
+        (tmp_path / "config.json").write_text(json.dumps({**sizes, **extra}))
+        with pytest.raises(ForeignCheckpointError, match="written by other AttnRes code") as err:
+            AttnResConfig.from_pretrained(tmp_path)
+        assert "add them" in str(err.value)
+    assert "fields it has that AttnResConfig has not: n_blocks" in str(
+        pytest.raises(ForeignCheckpointError, AttnResConfig.from_dict, {**sizes, "n_blocks": 4}).value)
 
 
 @pytest.mark.parametrize("field, value, fragment", [
