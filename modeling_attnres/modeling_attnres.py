@@ -121,6 +121,9 @@ class AttnResPseudoQuery(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[1]}"
+
 
 class AttnResDepthMix(nn.Module):
     """One sublayer boundary (`depth_attention_ops.site_boundary`: the previous sublayer's output added into
@@ -143,9 +146,9 @@ class AttnResDepthMix(nn.Module):
 
 def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
     """Refuse token ids outside `[0, vocab_size)` and inputs with no token, naming the value."""
-    if input_ids.shape[-1] == 0:
-        raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}); pass at least one token "
-                         "per sequence (for an empty prompt, start it with the tokenizer's BOS token).")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}); pass at least one sequence "
+                         "of at least one token (for an empty prompt, start it with the tokenizer's BOS token).")
     if torch.compiler.is_compiling():                                  # a value check would break the graph
         return
     low, high = (int(v) for v in torch.aminmax(input_ids))            # one device sync, not two
@@ -418,7 +421,7 @@ class AttnResModel(AttnResPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            check_input_ids(input_ids, self.config.vocab_size)
+            check_input_ids(input_ids, self.embed_tokens.num_embeddings)      # the embedding in use
             inputs_embeds = self.embed_tokens(input_ids)
         elif inputs_embeds.shape[1] == 0:
             raise ValueError(f"inputs_embeds has no tokens (shape {tuple(inputs_embeds.shape)}); pass at least one.")

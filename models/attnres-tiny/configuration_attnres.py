@@ -153,11 +153,13 @@ class AttnResConfig(LlamaConfig):
 
     def validate_numbers(self):
         """Every numeric field finite and of the right sign; runs on construction and load."""
-        for name in ("rms_norm_eps", "initializer_range", "attention_dropout"):
+        usual = {"rms_norm_eps": "typically 1e-6, or 0 for exact conversions", "initializer_range": "Llama's is 0.02",
+                 "attention_dropout": "0.0 for none, Llama's default"}
+        for name, fix in usual.items():
             value = getattr(self, name, 0.0)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"AttnResConfig.{name} must be a finite number >= 0, got {value!r}; "
-                                 "set it in config.json (rms_norm_eps is typically 1e-6, or 0 for exact conversions).")
+                raise ValueError(f"AttnResConfig.{name} must be a finite number >= 0, got {value!r}; set it in "
+                                 f"config.json ({fix}).")
         if not self.attention_dropout < 1:
             raise ValueError(f"AttnResConfig.attention_dropout is a probability and must be < 1, got "
                              f"{self.attention_dropout!r}; use 0.0 for none (Llama's default).")

@@ -43,6 +43,8 @@ def test_save_load_round_trip(tmp_path):
         (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer up to 4096, got 0; give the "),
         (dict(attn_res_mode="full", attn_res_block_size=0), "Full AttnRes does not use it: leave it at its default"),
         (dict(attention_dropout=1.0), "must be < 1, got 1.0; use 0.0 for none"),
+        (dict(attention_dropout=-0.1), "attention_dropout must be a finite number >= 0, got -0.1; set it in "
+                                       "config.json (0.0 for none"),
         (dict(max_position_embeddings=0), "got 0; set it to the longest sequence the model takes"),
         (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), "got 0.0; use the source model's"),
         (dict(hidden_size=24, num_attention_heads=8, num_key_value_heads=8, head_dim=3),

@@ -317,12 +317,24 @@ def test_static_cache_generation_with_torch_compile():
     ([[5, 97]], "token id 97, outside the vocabulary [0, 97)"),
     ([[-1, 5]], "token id -1, outside the vocabulary [0, 97)"),
     ([[]], "input_ids has no tokens (shape (1, 0))"),
+    (torch.zeros(0, 3), "input_ids has no tokens (shape (0, 3))"),
 ])
 def test_bad_input_ids_get_a_clear_error(ids, fragment):
     model = tiny_model(seed=1)
     with pytest.raises(ValueError) as err:
-        model(torch.tensor(ids, dtype=torch.long))
+        model(torch.as_tensor(ids, dtype=torch.long))
     assert fragment in str(err.value)
+
+
+def test_token_ids_are_checked_against_the_embedding_in_use():
+    """An embedding set with `set_input_embeddings` (no `resize_token_embeddings`, so the config still says
+    97) takes ids up to its own size, as Llama's does; past it, the error names that size."""
+    model = tiny_model(seed=1)
+    model.set_input_embeddings(torch.nn.Embedding(128, model.config.hidden_size))
+    assert model(torch.tensor([[5, 120]])).logits.shape == (1, 2, 97)
+    with pytest.raises(ValueError, match=r"token id 128, outside the vocabulary \[0, 128\)"):
+        model(torch.tensor([[128]]))
+    assert "AttnResPseudoQuery(32)" in repr(model.model.layers[0])
 
 
 def test_config_that_disagrees_with_weights_fails_at_load_naming_the_tensor(tmp_path):
