@@ -144,6 +144,21 @@ class AttnResDepthMix(nn.Module):
         return boundary, boundary.weights
 
 
+# transformers 5.24 renamed the KV cache's argument and output field `past_key_values` to `cache` (the old name
+# deprecated until 5.40; its `generate()` passes `cache=`). The models take the cache under either name and hand
+# it on under the installed version's, so this file runs, and ships as Hub remote code, on both sides.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
+    """The KV cache a forward was given as `past_key_values` or as `cache` (taken out of `kwargs`)."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Both cache and past_key_values were given, two different caches; pass the KV cache once "
+                         f"(as {CACHE_NAME}, this transformers version's name).")
+    return past_key_values if cache is None else cache
+
+
 def check_input_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
     """Refuse token ids outside `[0, vocab_size)` and inputs with no token, naming the value."""
     if input_ids.numel() == 0:
@@ -221,47 +236,33 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.depth_mix = AttnResDepthMix()
         self.attn_closes_block = config.depth_sites[2 * layer_idx].closes_block
         self.mlp_closes_block = config.depth_sites[2 * layer_idx + 1].closes_block
-
-    def __call__(self, bank: DepthBank, partial: torch.Tensor | None, output: torch.Tensor | None,
-                 **kwargs) -> tuple[DepthBank, torch.Tensor | None, torch.Tensor]:
-        """`GradientCheckpointingLayer`'s call, with the bank crossing a checkpoint as its two tensors.
-        Reentrant checkpointing (`use_reentrant=True`) tracks gradients only through the tensors passed and
-        returned at the top level; a `DepthBank` is a tuple, so every gradient into the depth history
-        (all earlier layers and the embedding) would be dropped without a word."""
-        if not (self.gradient_checkpointing and self.training):
-            return super().__call__(bank, partial, output, **kwargs)
-        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
-            logger.warning_once("Caching is incompatible with gradient checkpointing in AttnResDecoderLayer. "
-                                "Setting `use_cache=False`, `past_key_values=None`.")
-            kwargs.update(use_cache=False, past_key_values=None)   # the replay would write the cache again
-
-        def layer(storage, inv_storage, partial, output):
-            bank_out, partial, output = nn.Module.__call__(
-                self, DepthBank(storage, inv_storage, bank.num_stored), partial, output, **kwargs)
-            return bank_out.storage, bank_out.inv_storage, partial, output
-
-        storage, inv_storage, partial, output = self._gradient_checkpointing_func(
-            layer, bank.storage, bank.inv_storage, partial, output)
-        num_stored = bank.num_stored + self.attn_closes_block + self.mlp_closes_block
-        return DepthBank(storage, inv_storage, num_stored), partial, output
+        self.stores = self.attn_closes_block + self.mlp_closes_block      # sources this layer adds to the bank
 
     @reads_weights_of(LAYER_WEIGHT_HOLDERS)
     def forward(
         self,
-        bank: DepthBank,
+        storage: torch.Tensor,
+        inv_storage: torch.Tensor,
+        num_stored: int,
         partial: torch.Tensor | None,
         output: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_depth_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[DepthBank, torch.Tensor | None, torch.Tensor]:
-        """Takes the depth history and the previous sublayer's output, not yet added (`output`; None at
-        layer 0, where `partial` is the embedding); returns the new `(bank, partial, output)`, this layer's
-        MLP output likewise not yet added. The sites' weights are recorded when asked."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Takes the depth history (a `DepthBank`'s fields) and the previous sublayer's output, not yet
+        added (`output`; None at layer 0, where `partial` is the embedding); returns the new bank's tensors
+        (`num_stored + self.stores` sources), the new partial and this layer's MLP output, likewise not yet
+        added. The sites' weights are recorded when asked. The KV cache is in `kwargs`, for the attention.
+
+        The bank crosses the call as tensors, not as a `DepthBank`: gradient checkpointing with
+        `use_reentrant=True` tracks gradients only through the tensors passed and returned at the top level
+        of the checkpointed call, so through a tuple every gradient into the depth history (all earlier
+        layers and the embedding) would be dropped without a word."""
+        bank = DepthBank(storage, inv_storage, num_stored)
         # Past layer 0 the partial is the forward's own (an earlier boundary made it): its memory is reused.
         # (At layer 0 it is None by the MLP's site: site 0 stores the embedding as block 0.) Not while
         # checkpointing, whose recomputation reads the layer's inputs again, and which differentiates the
@@ -275,7 +276,6 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             hidden_states=boundary.normed,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -284,7 +284,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                                      self.mlp_closes_block, self.post_attention_layernorm, output_depth_attentions,
                                      reuse_partial=owned, reference=checkpointed)
         del h                                  # now in the partial: freed before the MLP's peak, as Llama frees it
-        return boundary.bank, boundary.partial, self.mlp(boundary.normed)
+        bank = boundary.bank
+        return bank.storage, bank.inv_storage, boundary.partial, self.mlp(boundary.normed)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -292,7 +293,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["AttnResDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -420,6 +421,7 @@ class AttnResModel(AttnResPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        past_key_values = cache_argument(past_key_values, kwargs)
         if inputs_embeds is None:
             check_input_ids(input_ids, self.embed_tokens.num_embeddings)      # the embedding in use
             inputs_embeds = self.embed_tokens(input_ids)
@@ -436,8 +438,8 @@ class AttnResModel(AttnResPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE_NAME: past_key_values},
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
@@ -448,18 +450,21 @@ class AttnResModel(AttnResPreTrainedModel):
         partial, output = inputs_embeds, None                          # the embedding (block 0), no output yet
         all_hidden_states = [inputs_embeds] if output_hidden_states else None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            bank, partial, output = decoder_layer(
-                bank,
+            storage, inv_storage, partial, output = decoder_layer(
+                bank.storage,                          # the bank as tensors: see the layer's forward
+                bank.inv_storage,
+                bank.num_stored,
                 partial,
                 output,
                 attention_mask=causal_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
                 output_depth_attentions=output_depth_attentions,
+                **{CACHE_NAME: past_key_values},
                 **kwargs,
             )
+            bank = DepthBank(storage, inv_storage, bank.num_stored + decoder_layer.stores)
             if output_hidden_states:
                 stream = acc(bank.sources).sum(-2) + add_to_partial(partial, output)
                 all_hidden_states.append(stream.to(inputs_embeds.dtype))
@@ -472,8 +477,8 @@ class AttnResModel(AttnResPreTrainedModel):
             all_hidden_states[-1] = hidden_states
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
             hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            **{CACHE_NAME: past_key_values},
         )
 
 
@@ -522,6 +527,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         `output_depth_attentions=True` adds the depth weights."""
         output_router_logits = bool(output_router_logits if output_router_logits is not None
                                     else self.config.output_router_logits) and self.config.num_experts > 0
+        past_key_values = cache_argument(past_key_values, kwargs)
         outputs: AttnResModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -548,11 +554,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
             depth_attentions=outputs.depth_attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 
