@@ -61,7 +61,11 @@ def quantize_weight(weight: torch.Tensor, limit: int = INT8_MAX) -> tuple[torch.
 def quantization_config() -> dict:
     """The `quantization_config` of a W8A8 int8 checkpoint (static per-channel weights, dynamic per-token
     activations), as `compressed_tensors` serialises it."""
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    try:
+        from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    except ImportError as err:
+        raise ConversionError('attnres-quantize needs compressed-tensors, which installs with vLLM or alone: '
+                              'pip install "attnres[quantize]"') from err
 
     config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
                                 ignore=IGNORE, format="int-quantized", quantization_status="compressed")
@@ -119,11 +123,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
     src, dst = Path(src), Path(dst)
     config = read_config(src)
     check_destination(dst, src, overwrite)
+    config["quantization_config"] = quantization_config()
     tensors, done = quantize_tensors(open_checkpoint(src), REDUCED_MAX if reduce_range else INT8_MAX)
     if not done:
         raise ConversionError(f"No q/k/v/o/gate/up/down projection weights in {src} (keys such as "
                               f"{listing(list(tensors), limit=5)}); is it an AttnRes checkpoint?")
-    config["quantization_config"] = quantization_config()
     config["auto_map"] = dict(AUTO_MAP)
     with staged_destination(dst, overwrite) as tmp:      # DST was checked: absent, empty or --overwrite
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

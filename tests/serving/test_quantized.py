@@ -7,6 +7,7 @@ runs the int8 weights and quantizes activations) and stay near the unquantized m
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,17 @@ def test_refuses_a_quantized_source_and_a_non_attnres_folder(quantized, tmp_path
         quantize_checkpoint(tmp_path / "other", tmp_path / "out")
     with pytest.raises(ConversionError, match="nothere does not exist; pass an AttnRes checkpoint folder"):
         quantize_checkpoint(tmp_path / "nothere", tmp_path / "out")
+
+
+def test_without_compressed_tensors_the_command_names_the_extra_before_any_work(source, tmp_path, monkeypatch,
+                                                                                capsys):
+    for name in ("compressed_tensors", "compressed_tensors.quantization"):      # not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    assert quantize_main([str(source), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        'attnres-quantize: error: attnres-quantize needs compressed-tensors, which installs with vLLM or alone: '
+        'pip install "attnres[quantize]"']
+    assert not (tmp_path / "out").exists()
 
 
 def simulated_w8a8(source, quantized) -> torch.nn.Module:
