@@ -87,6 +87,11 @@ def test_the_wheel_holds_every_runtime_file(installed):
     assert not missing, f"the wheel lacks run-time files: {missing}"
     assert not [n for n in names if n.split("/")[0] in ("conversion", "serving", "models", "tests")], \
         "generic top-level names in the wheel"
+    with zipfile.ZipFile(installed.wheel) as wheel:                  # the license the metadata declares ships
+        metadata = next(wheel.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+        license_file = next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))
+        assert wheel.read(license_file) == (REPO / "LICENSE").read_bytes()
+    assert "License-Expression: Apache-2.0" in metadata and "Apache License" in (REPO / "LICENSE").read_text()
 
 
 def test_the_installed_package_runs_from_its_own_files(installed):
