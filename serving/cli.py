@@ -414,10 +414,10 @@ def main(argv: list[str] | None = None) -> None:
             raise ConversionError(problem)
     except (DefaultModelUnavailable, ConversionError, OSError) as err:   # OSError: MissingShippedFile too
         raise SystemExit(fail(PROG, " ".join(str(err).split()), getattr(err, "exit_status", 1))) from None
-    # Read at import by the engine's processes (vLLM's CPU platform starts them by spawn).
-    os.environ.update(server_environment(sys.argv[1:], cpu))
     if has_option(args, "-h", "--help"):
         print(help_preface(), flush=True)
+    else:     # read at import by the engine's processes (spawned); with --help a build at import is wasted
+        os.environ.update(server_environment(sys.argv[1:], cpu))
     for warning in (exposure_warning(sys.argv[1:]), int8_warning(sys.argv[1:], cpu)):
         if warning:
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)

