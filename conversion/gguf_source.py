@@ -48,7 +48,20 @@ SHAPE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attenti
               "attention.head_count_kv", "rope.dimension_count", "vocab_size", "context_length")
 
 
+# The oldest transformers whose GGUF loader this conversion can use: 5.17 added `GgufConfig`, and 5.16-5.17 read
+# a GGUF tokenizer's end-of-sequence token wrong (a converted chat model would never stop).
+MIN_TRANSFORMERS = (5, 18)
+
+
 def _gguf_module():
+    """The `gguf` package, where the installed transformers can read GGUF files too."""
+    import transformers
+
+    found = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if found < MIN_TRANSFORMERS:
+        raise ConversionError(f"Reading a GGUF file needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, "
+                              f"found {transformers.__version__}: pip install 'attnres[gguf]' (or upgrade "
+                              "transformers).")
     try:
         import gguf
     except ImportError as err:

@@ -63,6 +63,18 @@ def test_cli_converts_a_folder_with_one_q4_1_gguf_and_keeps_tokenizer_and_chat_t
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_a_transformers_too_old_for_gguf_is_named_before_any_work(tmp_path, monkeypatch):
+    """transformers 5.16-5.17 read a GGUF tokenizer's end-of-sequence token wrong (and 5.16 has no GgufConfig)."""
+    import transformers
+
+    path = write_gguf(tiny_llama(), tmp_path / "model.gguf")
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(ConversionError, match=r"needs transformers >= 5\.18, found 5\.17\.0: pip install "
+                                              r"'attnres\[gguf\]'"):
+        convert(path, tmp_path / "dst")
+    assert_nothing_written(tmp_path)
+
+
 def test_unsupported_gguf_architecture_is_named(tmp_path, capsys):
     write_gguf(tiny_llama(), tmp_path / "gpt.gguf", arch="gpt2")
     assert main([str(tmp_path / "gpt.gguf"), str(tmp_path / "dst")]) == 1
