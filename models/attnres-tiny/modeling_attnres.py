@@ -50,7 +50,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     load_balancing_loss_func,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -63,8 +63,6 @@ from .configuration_attnres import (
 )
 from .depth_attention import DepthBank, SiteBoundary, acc, add_to_partial
 from .depth_attention_ops import site_bank, site_boundary
-
-logger = logging.get_logger(__name__)
 
 # The files `save_pretrained` ships next to the weights (transformers' `custom_object_save` copies this
 # module and its relative imports); `from_pretrained(..., trust_remote_code=True)` runs them.
