@@ -82,6 +82,7 @@ class VerifyReport:
     num_prompts: int
     new_tokens: int
     routing_agreement: float | None = None   # mixtures of experts: the same experts chosen as the prediction
+    eps_effect: bool = True              # the prediction may differ from the source by the eps effect (eps > 0)
 
     @property
     def prediction_holds(self) -> bool:
@@ -101,8 +102,11 @@ class VerifyReport:
             out.append(f"max |difference| to {self.prediction} is {self.vs_prediction:.3e}, LARGER than float "
                        f"noise ({1e-4 * self.logit_scale:.1e}): the converted model is not what the spec predicts")
         if not self.greedy_agree:
-            why = (": the logits are the spec's prediction, so the eps effect itself changes the generated tokens "
-                   "(a larger --stream-scale shrinks it)" if self.prediction_holds else "")
+            why = ("" if not self.prediction_holds else
+                   ": the logits are the spec's prediction, so the eps effect itself changes the generated tokens "
+                   "(a larger --stream-scale shrinks it)" if self.eps_effect else
+                   ": the logits are the spec's prediction, which has no eps effect here, so float rounding flipped "
+                   "a near-tie of the top logits")
             out.append(f"greedy generation differs from {self.greedy_reference}{why}")
         return out
 

@@ -119,8 +119,10 @@ def architecture_of(config: PretrainedConfig) -> str:
 def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> int | None:
     """Reject sliding-window attention, which AttnRes (full causal attention) cannot carry.
 
-    Mistral's window equals full attention for sequences up to the window, so `clip_to_window`
-    converts it with `max_position_embeddings` cut to the window. Returns the new limit, if any.
+    A config without `layer_types` that sets `sliding_window` slides on every layer (Mistral, Mixtral, and
+    Qwen3-MoE with `use_sliding_window`, whose config keeps the window only then). Such a window equals full
+    attention for sequences up to the window, so `clip_to_window` converts it with
+    `max_position_embeddings` cut to the window. Returns the new limit, if any.
     """
     layer_types = getattr(config, "layer_types", None) or []
     sliding_layers = [i for i, t in enumerate(layer_types) if t != "full_attention"]
@@ -130,8 +132,8 @@ def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> i
             f"(sliding_window={getattr(config, 'sliding_window', None)}), expected full attention on every "
             "layer: AttnRes has no sliding-window layers. Convert a checkpoint with use_sliding_window=false."
         )
-    window = getattr(config, "sliding_window", None) if config.model_type in ("mistral", "mixtral") else None
-    if window is None or window >= config.max_position_embeddings:
+    window = getattr(config, "sliding_window", None) if not layer_types else None
+    if not window or window >= config.max_position_embeddings:       # None, or Qwen2-MoE's 0 for none
         return None
     if clip_to_window:
         return window
@@ -155,6 +157,17 @@ def _check_rope(config: PretrainedConfig) -> dict:
     return rope
 
 
+def _fix_rope_factor(rope: dict, max_positions: int) -> dict:
+    """`rope` with the scaling factor that yarn and longrope derive from `max_position_embeddings` (as
+    `max_position_embeddings / original_max_position_embeddings`, where no factor is given) written out, so
+    that cutting `max_position_embeddings` to a window leaves every rotation and attention scale as it was."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    original = rope.get("original_max_position_embeddings")
+    if rope_type in ("yarn", "longrope") and rope.get("factor") is None and original:
+        return {**rope, "factor": max_positions / original}
+    return rope
+
+
 def attnres_config_from_standard(config: PretrainedConfig, *, block_size: int | None = None,
                                  mode: str = "block", clip_to_window: bool = False) -> AttnResConfig:
     """The AttnResConfig that carries `config` (a Llama/Qwen2/Qwen3/Mistral config) exactly."""
@@ -164,6 +177,7 @@ def attnres_config_from_standard(config: PretrainedConfig, *, block_size: int | 
     window = _check_attention_window(config, clip_to_window)
     if window is not None:
         fields["max_position_embeddings"] = window
+        fields["rope_parameters"] = _fix_rope_factor(fields["rope_parameters"], config.max_position_embeddings)
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     biased = {"Qwen2ForCausalLM": True, "Qwen2MoeForCausalLM": getattr(config, "qkv_bias", True)}
     fields["attention_bias"] = biased.get(arch, getattr(config, "attention_bias", False))

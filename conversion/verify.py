@@ -26,18 +26,29 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Attention residuals
 NEW_TOKENS = 8
 
 
-def prompt_ids(folder: Path | None, vocab_size: int) -> list[torch.Tensor]:
-    """Token ids of the verification prompts: the source's tokenizer if it has one, else fixed random ids."""
+def prompt_ids(folder: Path | None, vocab_size: int, max_positions: int | None = None) -> list[torch.Tensor]:
+    """Token ids of the verification prompts: the source's tokenizer if it has one, else fixed random ids;
+    each prompt with its greedy continuation (`NEW_TOKENS`) inside `max_positions`, where the converted
+    model equals its source (a window clipped by --clip-to-sliding-window).
+
+    The tokenizer's ids are used only where every prompt holds several distinct tokens: a tokenizer that
+    maps the prompts to one repeated token (every word unknown) makes every position's value the same, so
+    attention's output no longer depends on its scores and the check would see nothing of the attention."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder) if folder is not None else None
     except Exception:  # no or unreadable tokenizer files: random ids still exercise every weight
         tokenizer = None
+    ids = None
     if tokenizer is not None:
         ids = [tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
-        if all(0 < x.shape[1] and int(x.max()) < vocab_size for x in ids):
-            return ids
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab_size, (1, 6 + 3 * i), generator=gen) for i in range(len(PROMPTS))]
+        if not all(0 < x.shape[1] and int(x.max()) < vocab_size and x.unique().numel() >= min(3, x.shape[1])
+                   for x in ids):
+            ids = None
+    if ids is None:
+        gen = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, vocab_size, (1, 6 + 3 * i), generator=gen) for i in range(len(PROMPTS))]
+    longest = max(1, max_positions - NEW_TOKENS) if max_positions is not None else None
+    return [x[:, :longest] for x in ids]
 
 
 @torch.no_grad()
@@ -113,9 +124,11 @@ def verify_standard(source: torch.nn.Module, ids: list[torch.Tensor], converted:
     steps.close()
     diff, rel, scale, agree = compare(ref_logits, got_logits)
     greedy = all(torch.equal(a, b) for a, b in zip(ref_tokens, got_tokens))
+    eps_effect = config.rms_norm_eps > 0
+    explained = "the deviation above is the eps effect only" if eps_effect else "rms_norm_eps is 0: no eps effect"
     return VerifyReport(diff, rel, scale, agree, greedy, compare(predicted, got_logits)[0], reference,
-                        _at_precision("the spec's eps prediction", dtype), "the deviation above is the eps effect only",
-                        _at_precision("the source", dtype), len(ids), NEW_TOKENS, routing)
+                        _at_precision("the spec's eps prediction", dtype), explained,
+                        _at_precision("the source", dtype), len(ids), NEW_TOKENS, routing, eps_effect)
 
 
 @torch.no_grad()
@@ -173,4 +186,4 @@ def verify_attnres_layout(plan: Plan, converted: Path) -> VerifyReport:
     weights = _at_precision("the source weights", plan.dtype)
     return VerifyReport(diff, rel, scale, agree, greedy, compare(predicted, got_logits)[0],
                         "the source weights in float32 (AttnRes layout)", weights,
-                        "the renamed weights are the source's", weights, len(ids), NEW_TOKENS)
+                        "the renamed weights are the source's", weights, len(ids), NEW_TOKENS, eps_effect=False)

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import attnres.conversion.converter as converter_module
+import modeling_attnres  # noqa: F401  (registers the Auto classes)
 from attnres.conversion import ConversionError, ConvertOptions, convert
 from attnres.conversion.cli import main
-from tests.conversion.builders import edit_config, save_source, source_model
+from tests.conversion.builders import edit_config, rel_diff, save_source, source_model, token_ids
 
 
 @pytest.fixture
@@ -50,11 +51,29 @@ def test_sliding_window_layers_are_refused(tmp_path):
     refuse(tmp_path, save_source(model, tmp_path / "src"), r"Layers \[2, 3\] use 'sliding_attention'.*sliding_window=8")
 
 
-def test_mistral_window_needs_the_clip_flag(tmp_path):
-    src = save_source(source_model("mistral", sliding_window=16), tmp_path / "src")
+@pytest.mark.parametrize("name, window", [("mistral", {}), ("qwen3_moe", {"use_sliding_window": True})])
+def test_a_window_on_every_layer_needs_the_clip_flag_and_converts_within_it(tmp_path, name, window):
+    """Mistral's window, and Qwen3-MoE's with use_sliding_window (its config has no layer_types), slide on
+    every layer; clipped, the verification stays inside the window, where the two models are equal."""
+    src = save_source(source_model(name, sliding_window=16, **window), tmp_path / "src", tokenizer=True)
     refuse(tmp_path, src, r"sliding_window=16 is smaller than max_position_embeddings=128.*--clip-to-sliding-window")
-    result = convert(src, tmp_path / "dst", ConvertOptions(verify=False, clip_to_window=True))
-    assert result.config.max_position_embeddings == 16
+    result = convert(src, tmp_path / "dst", ConvertOptions(clip_to_window=True))
+    assert result.config.max_position_embeddings == 16 and result.verification.passed
+
+
+def test_clipping_keeps_the_rope_factor_longrope_derives_from_the_positions(tmp_path):
+    """longrope (and yarn) without a factor take max_position_embeddings / original_max_position_embeddings:
+    cutting max_position_embeddings to the window must not change it (every attention score would)."""
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 32,
+            "long_factor": [1.0, 2.0, 3.0, 4.0], "short_factor": [1.0, 1.1, 1.2, 1.5]}
+    source = source_model("mistral", sliding_window=64, rope_parameters=rope).eval()
+    src = save_source(source, tmp_path / "src", tokenizer=True)
+    result = convert(src, tmp_path / "dst", ConvertOptions(clip_to_window=True))
+    assert result.verification.passed and result.config.rope_parameters["factor"] == 128 / 32
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = token_ids(length=40)                      # past the original 32 positions, inside the window
+        assert rel_diff(converted(ids).logits, source(ids).logits) < 1e-5
 
 
 @pytest.mark.parametrize("rope,pattern", [

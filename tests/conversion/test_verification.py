@@ -9,13 +9,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import attnres.conversion.converter as converter_module
 from attnres.conversion import ConvertOptions, VerificationFailed, convert
 from attnres.conversion.cli import main
 from attnres.conversion.datatypes import VerifyReport
 from attnres.conversion.standard import standard_rules
+from attnres.conversion.verify import NEW_TOKENS, PROMPTS, prompt_ids
 from tests.conversion.builders import save_source, source_model
 
 
@@ -65,13 +66,29 @@ def test_greedy_disagreement_from_a_large_eps_effect_is_refused(tmp_path):
     assert not result.verification.passed and (tmp_path / "dst" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("vs_prediction, blamed", [(2.5e-7, "the rms_norm_eps effect"), (0.5, "converter bug")])
-def test_a_failed_verification_blames_the_eps_effect_only_where_the_spec_prediction_holds(vs_prediction, blamed):
-    """A greedy flip on a near-tie while the model equals the spec's prediction is the eps effect, not a bug."""
+@pytest.mark.parametrize("vs_prediction, eps_effect, blamed", [
+    (2.5e-7, True, "the rms_norm_eps effect"), (0.5, True, "converter bug"), (2.5e-7, False, "no eps effect here")])
+def test_a_failed_verification_blames_the_eps_effect_only_where_the_spec_prediction_holds(vs_prediction, eps_effect,
+                                                                                          blamed):
+    """A greedy flip on a near-tie while the model equals the spec's prediction is the eps effect (float
+    rounding where rms_norm_eps is 0, which has none), not a bug."""
     report = VerifyReport(max_abs_diff=1e-3, max_rel_diff=1e-4, logit_scale=10.0, argmax_agreement=0.99,
                           greedy_agree=False, vs_prediction=vs_prediction, reference="the source",
                           prediction="the source with the spec's eps", explained="eps", greedy_reference="the source",
-                          num_prompts=4, new_tokens=8)
+                          num_prompts=4, new_tokens=8, eps_effect=eps_effect)
     message = str(VerificationFailed(Path("dst"), report))
     assert blamed in message
     assert ("converter bug" in message) == (blamed == "converter bug")
+    assert ("eps effect itself" in message) == (blamed == "the rms_norm_eps effect")
+
+
+def test_verification_prompts_hold_distinct_tokens_and_fit_the_positions(tmp_path):
+    """The tiny tokenizer maps every prompt word to one unknown token: with one repeated token every value
+    vector is the same, so attention would hide any difference in its scores. Random ids replace such
+    prompts; every prompt and its greedy continuation fit `max_positions` (a clipped window)."""
+    src = save_source(source_model("llama"), tmp_path / "src", tokenizer=True)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    assert {len(set(tokenizer(p).input_ids)) for p in PROMPTS} == {1}        # what the fallback is for
+    ids = prompt_ids(src, 97)
+    assert all(x.unique().numel() >= 3 for x in ids) and [x.shape[1] for x in ids] == [6, 9, 12]
+    assert [x.shape[1] for x in prompt_ids(src, 97, max_positions=NEW_TOKENS + 7)] == [6, 7, 7]
