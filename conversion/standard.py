@@ -81,6 +81,10 @@ STANDARD_RULES = (
 
 # Some exports store a tied head anyway; it is dropped once it is checked to equal the embedding.
 TIED_HEAD_RULE = Rule(("lm_head.weight",), None)
+# A Qwen2-MoE with shared_expert_intermediate_size 0 stores a zero-width shared expert (and its gate), which
+# adds exactly nothing; the AttnRes config carries the 0, so its tensors are dropped.
+ZERO_SHARED_EXPERT_RULE = Rule(tuple(f"{LAYER}.mlp.shared_expert{part}.weight" for part in (
+    ".gate_proj", ".up_proj", ".down_proj", "_gate")), None)
 
 DEPTH_FILLS = (
     Fill(f"{LAYER}.self_attention_res_proj.weight", "zeros"),
@@ -207,15 +211,19 @@ def expert_fields(config: PretrainedConfig, arch: str) -> dict:
 
 def standard_rules(config: AttnResConfig, source: TensorSource) -> tuple[Rule, ...]:
     """The standard table; for a tied model whose export also stores lm_head, that copy is dropped
-    after checking it is the embedding (a differing head means the config's tie flag is wrong)."""
+    after checking it is the embedding (a differing head means the config's tie flag is wrong), and a
+    zero-width shared expert is dropped (`ZERO_SHARED_EXPERT_RULE`)."""
+    rules = STANDARD_RULES
+    if config.num_experts and not config.shared_expert_intermediate_size:
+        rules = (ZERO_SHARED_EXPERT_RULE, *rules)         # the first matching rule wins
     if not config.tie_word_embeddings or "lm_head.weight" not in source.keys():
-        return STANDARD_RULES
+        return rules
     if not torch.equal(source.get("lm_head.weight"), source.get("model.embed_tokens.weight")):
         raise ConversionError(
             "tie_word_embeddings is true but the checkpoint stores an lm_head.weight that differs from "
             "model.embed_tokens.weight; if the head is separate, set tie_word_embeddings to false in config.json."
         )
-    return (TIED_HEAD_RULE, *STANDARD_RULES)   # the first matching rule wins
+    return (TIED_HEAD_RULE, *rules)
 
 
 def standard_fills(config: PretrainedConfig) -> tuple[Fill, ...]:

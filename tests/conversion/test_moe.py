@@ -40,6 +40,18 @@ def test_the_verification_reports_the_routing_and_the_card_the_experts(tmp_path)
     assert "mixture of experts: 4 experts, top-2, on layers [1, 3], shared expert of 24" in card
 
 
+def test_a_zero_width_shared_expert_is_dropped_exactly(tmp_path):
+    """Qwen2-MoE with shared_expert_intermediate_size 0 stores an empty shared expert (and its gate): it adds
+    nothing, so the conversion drops those tensors and is exact."""
+    src = source_model("qwen2_moe", eps=0.0, seed=6, shared_expert_intermediate_size=0)
+    save_source(src, tmp_path / "src")
+    result = convert(tmp_path / "src", tmp_path / "dst")
+    assert result.verification.passed and result.config.shared_expert_intermediate_size == 0
+    with torch.no_grad():
+        ids = token_ids()
+        torch.testing.assert_close(load_hf(tmp_path / "dst")(ids).logits, src(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_quantize_refuses_a_mixture_of_experts(tmp_path):
     src = source_model("mixtral", seed=5)
     save_source(src, tmp_path / "src")
