@@ -248,7 +248,7 @@ def test_the_model_writes_its_own_partials_in_place_and_never_the_callers_embedd
     model = tiny_model(seed=5, attn_res_mode="block", attn_res_block_size=3)
     sites = model.config.depth_sites
     seen = []
-    hooks = [layer.register_forward_hook(lambda _, args, out, i=i: seen.append((i, args[1], out[1])))
+    hooks = [layer.register_forward_hook(lambda _, args, out, i=i: seen.append((i, args[3], out[2])))   # partials
              for i, layer in enumerate(model.model.layers)]
     embeds = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     given = embeds.clone()
@@ -289,7 +289,7 @@ def test_a_layer_writes_only_a_partial_that_an_earlier_boundary_of_its_forward_m
         given = partial.clone()
         with torch.no_grad():
             bank = push_source(site_bank(embeds, model.config), embeds, model.config.rms_norm_eps)
-            _, returned, _ = layer(bank, partial, output, **kwargs)
+            _, _, returned, _ = layer(*bank, partial, output, **kwargs)
         return returned is partial, torch.equal(partial, given)
 
     assert run(received, None) == (False, True)                        # passed through, then a fresh partial
