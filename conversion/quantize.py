@@ -19,6 +19,9 @@ oneDNN's int8 GEMM adds pairs of u8 x s8 products in 16-bit integers, which full
 (PyTorch's `reduce_range` exists for the same instruction). It halves the weights' resolution.
 
     attnres-quantize SRC DST [--overwrite] [--reduce-range]
+
+SRC may also be a built-in model name, as `attnres-serve` takes it (`builtin:attnres-tiny`,
+`builtin:smollm2-135m-attnres`, ...): its folder, built on first use like the server builds it.
 """
 
 import argparse
@@ -138,10 +141,21 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
     return done
 
 
+def source_folder(src: str) -> str:
+    """`src` itself, or the folder of the built-in model it names (`builtin:NAME`, as `attnres-serve` takes it:
+    built on first use and cached; an unknown name is a usage error listing the built-in models)."""
+    if not src.startswith("builtin:"):
+        return src
+    from attnres.serving.defaults import resolve_model  # the server's names and cache; imported only for them
+
+    return resolve_model(src, prog="attnres-quantize")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`attnres-quantize SRC DST [--overwrite] [--reduce-range]`: W8A8 int8 (compressed-tensors) for vLLM."""
     parser = argparse.ArgumentParser(prog="attnres-quantize", description=main.__doc__)
-    parser.add_argument("src", help="an AttnRes checkpoint folder (transformers layout)")
+    parser.add_argument("src", help="an AttnRes checkpoint folder (transformers layout), or a built-in model "
+                                    "(builtin:attnres-tiny, builtin:smollm2-135m-attnres, ...)")
     parser.add_argument("dst", help="output folder (written atomically)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--reduce-range", action="store_true",
@@ -149,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "int8 GEMM overflows full-range weights; half the weights' resolution")
     args = parser.parse_args(argv)
     try:
-        done = quantize_checkpoint(args.src, args.dst, overwrite=args.overwrite, reduce_range=args.reduce_range)
+        done = quantize_checkpoint(source_folder(args.src), args.dst, overwrite=args.overwrite,
+                                   reduce_range=args.reduce_range)
     except (ConversionError, OSError) as err:
         return fail("attnres-quantize", err)
     except KeyboardInterrupt:                    # the staging is already removed

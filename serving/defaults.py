@@ -17,6 +17,7 @@ A built-in model whose shipped files are missing from the install is refused in 
 else is served in its place. Built models live in `publish.user_cache_dir()`.
 """
 
+import functools
 import os
 import sys
 
@@ -48,19 +49,20 @@ def served_name(model: str) -> str | None:
     return model.removeprefix(BUILTIN) if model in BUILTIN_MODELS else None
 
 
-def _log(message: str) -> None:
-    print(f"attnres-serve: {message}", file=sys.stderr, flush=True)
+def _log(message: str, prog: str = "attnres-serve") -> None:
+    print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, prog: str = "attnres-serve") -> str:
     """A model argument as vLLM takes it: a `builtin:` name becomes its folder (built on first use,
-    errors raised); an unknown `builtin:` name is refused; a path starting with `~` is expanded (vLLM would
-    read it as a Hub repo id: a shell leaves `--model=~/m` and a quoted `'~/m'` as they are); anything else
-    is returned unchanged."""
+    errors raised; its progress said on stderr as `PROG: ...`); an unknown `builtin:` name is refused; a
+    path starting with `~` is expanded (vLLM would read it as a Hub repo id: a shell leaves `--model=~/m`
+    and a quoted `'~/m'` as they are); anything else is returned unchanged."""
+    log = functools.partial(_log, prog=prog)
     if name == DEFAULT_MODEL:
-        return str(default_model.ensure_default_model(cache_dir(), log=_log))
+        return str(default_model.ensure_default_model(cache_dir(), log=log))
     if name == RETROFIT_MODEL:
-        return str(default_model.ensure_default_model(cache_dir(), depth_parameters=default_model.SHIPPED, log=_log))
+        return str(default_model.ensure_default_model(cache_dir(), depth_parameters=default_model.SHIPPED, log=log))
     if name == SHIPPED_MODEL:
         return str(shipped_model_path())
     if name == RANDOM_MODEL:

@@ -20,6 +20,7 @@ from attnres.conversion.quantize import main as quantize_main
 from attnres.conversion.quantize import quantize_checkpoint
 from attnres.models import shipped_model_path
 from attnres.serving.cli import cpu_flags, int8_warning
+from attnres.serving.defaults import BUILTIN_MODELS
 from modeling_attnres.configuration_attnres import AUTO_MAP
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.support.engines import chosen_logprobs, free_llm, generate, make_llm
@@ -225,3 +226,11 @@ def test_serve_warns_of_full_range_int8_weights_on_a_cpu_without_vnni(source, qu
     assert int8_warning(argv(broken), cpu=True, flags=without) is None
     flags = cpu_flags()                                                            # this machine's, as torch sees it
     assert flags is None or ("avx512_vnni" in flags) == torch.cpu._is_vnni_supported(), sorted(flags)
+
+
+def test_an_unknown_builtin_source_is_a_usage_error_listing_the_builtin_models(tmp_path, capsys):
+    assert quantize_main(["builtin:attnres-huge", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"attnres-quantize: error: unknown built-in model 'builtin:attnres-huge'; the built-in models "
+                   f"are {', '.join(BUILTIN_MODELS)}"]
+    assert not (tmp_path / "out").exists()
