@@ -201,12 +201,18 @@ def attnres_config_from_standard(config: PretrainedConfig, *, block_size: int | 
 def expert_fields(config: PretrainedConfig, arch: str) -> dict:
     """The mixture-of-experts fields of the AttnResConfig that carries `config` (none for a dense model).
     Mixtral routes every layer's MLP through its experts (of `intermediate_size`) and always
-    renormalises the top-k weights."""
+    renormalises the top-k weights. A source that declares experts but routes no layer through them
+    (every layer in `mlp_only_layers`, or `decoder_sparse_step` above the layer count) is a dense model:
+    its own class builds dense MLPs of `intermediate_size` everywhere, and so does the conversion."""
     fields = {ours: getattr(config, name) for ours, names in EXPERT_FIELDS.items() for name in names
               if getattr(config, name, None) is not None}
     if arch == "MixtralForCausalLM":
         fields.update(moe_intermediate_size=config.intermediate_size, norm_topk_prob=True)
-    return fields if fields.get("num_experts") else {}
+    if not fields.get("num_experts"):
+        return {}
+    step, dense = fields.get("decoder_sparse_step", 1), set(fields.get("mlp_only_layers") or ())
+    sparse = [i for i in range(config.num_hidden_layers) if step >= 1 and (i + 1) % step == 0 and i not in dense]
+    return fields if sparse or step < 1 else {}         # a step below 1 is left to AttnResConfig's check
 
 
 def standard_rules(config: AttnResConfig, source: TensorSource) -> tuple[Rule, ...]:

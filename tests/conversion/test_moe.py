@@ -52,6 +52,20 @@ def test_a_zero_width_shared_expert_is_dropped_exactly(tmp_path):
         torch.testing.assert_close(load_hf(tmp_path / "dst")(ids).logits, src(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name, routing", [("qwen3_moe", dict(mlp_only_layers=[0, 1, 2, 3])),
+                                           ("qwen2_moe", dict(decoder_sparse_step=5))])
+def test_experts_that_no_layer_routes_through_convert_as_a_dense_model(tmp_path, name, routing):
+    """A source declaring experts but sparse on no layer is built dense by its own class: the conversion is
+    dense too (num_experts 0), exact, rather than refused for having no sparse layer."""
+    src = source_model(name, eps=0.0, seed=7, **routing)
+    save_source(src, tmp_path / "src")
+    result = convert(tmp_path / "src", tmp_path / "dst")
+    assert result.verification.passed and result.config.num_experts == 0 and result.config.sparse_layers == []
+    with torch.no_grad():
+        ids = token_ids()
+        torch.testing.assert_close(load_hf(tmp_path / "dst")(ids).logits, src(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_quantize_refuses_a_mixture_of_experts(tmp_path):
     src = source_model("mixtral", seed=5)
     save_source(src, tmp_path / "src")
