@@ -409,7 +409,7 @@ static auto boundary_op(const at::Tensor& storage, const at::Tensor& inv_storage
   } else if constexpr (Closes || Reuse) {
     return norm_weight.has_value() ? r[2] : r[1];
   } else {
-    return std::tuple<at::Tensor, at::Tensor>(r[0].defined() ? r[0] : at::empty({0}, query.options()),
+    return std::tuple<at::Tensor, at::Tensor>(r[0].defined() ? r[0] : at::empty({0}, inv_storage.options()),
                                               norm_weight.has_value() ? r[2] : r[1]);
   }
 }

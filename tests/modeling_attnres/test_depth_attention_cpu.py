@@ -424,3 +424,25 @@ def test_vllm_compiled_with_the_kernel_op_generates_the_torch_paths_tokens(tmp_p
     assert tokens == expected
     calls = int(next(line for line in text.splitlines() if line.startswith("KERNEL_CALLS "))[13:])
     assert calls > 0, "the sites never reached the C++ kernel inside vLLM's compiled graphs"
+
+
+# Each boundary op as compiled graphs call it: (op, a block closes, an output is added, the partial is reused).
+BOUNDARY_FORMS = [("site_boundary", False, True, False), ("site_boundary", False, False, False),
+                  ("site_boundary_store", True, True, False), ("site_boundary_store", True, False, False),
+                  ("site_boundary_reuse", False, True, True), ("site_boundary_into", False, True, False),
+                  ("site_boundary_store_into", True, True, False), ("site_boundary_reuse_into", False, True, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,closes,adds,reuses", BOUNDARY_FORMS)
+def test_each_boundary_op_agrees_with_its_schema_and_fake(name, closes, adds, reuses, dtype):
+    """torch.library.opcheck: the declared writes are the only writes, and the fake (shape-only) results,
+    which compiled graphs are traced with, have the kernel's shapes and dtypes."""
+    cpu._build().register_ops()
+    bank, partial, query, _ = case(2, (3,), 32, dtype=torch.float32, seed=4, room=1)
+    gen = torch.Generator().manual_seed(5)
+    output = torch.randn(3, 32, generator=gen).to(dtype) if adds else None
+    gain, norm_weight = 1 + torch.rand(32, generator=gen).to(dtype), torch.rand(32, generator=gen).to(dtype)
+    args = (bank.storage, bank.inv_storage, 2, partial.clone(), output, query.to(dtype), gain, EPS, norm_weight, 1e-5)
+    torch.library.opcheck(getattr(torch.ops.attnres, name).default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
