@@ -31,6 +31,12 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+)
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
@@ -590,6 +596,15 @@ for _model, _auto_class in ((AttnResModel, "AutoModel"), (AttnResForCausalLM, "A
                             (AttnResForTokenClassification, "AutoModelForTokenClassification"),
                             (AttnResForQuestionAnswering, "AutoModelForQuestionAnswering")):
     _model.register_for_auto_class(_auto_class)
+
+# Some of transformers' behaviour goes by class name through its own task tables, not the Auto registry:
+# Trainer's label smoothing shifts the labels only for names in the causal-LM table (else every position
+# is trained on its own token), and the pipelines log "not supported" for names outside their task's table.
+for _table, _model in ((MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, AttnResForCausalLM),
+                       (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, AttnResForSequenceClassification),
+                       (MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, AttnResForTokenClassification),
+                       (MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES, AttnResForQuestionAnswering)):
+    _table.setdefault(AttnResConfig.model_type, _model.__name__)
 
 __all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM", "AttnResForSequenceClassification",
            "AttnResForTokenClassification", "AttnResForQuestionAnswering"]

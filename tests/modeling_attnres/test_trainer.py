@@ -35,3 +35,18 @@ def test_trainer_lowers_loss_and_trains_pseudo_queries(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-30")
     assert isinstance(reloaded, AttnResForCausalLM)
     torch.testing.assert_close(reloaded.model.output_attn_res_proj.weight, model.model.output_attn_res_proj.weight)
+
+
+def test_label_smoothing_scores_each_position_against_the_next_token(tmp_path):
+    """Trainer's label smoother shifts labels only for the causal LMs it knows by class name: computed here
+    from the logits, the smoothed loss of next-token targets (and not of each position's own token)."""
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(tiny_config(num_hidden_layers=2, attn_res_block_size=1)).eval()
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, report_to=[], use_cpu=True)
+    batch = torch.utils.data.default_collate([RepeatingTokens()[i] for i in range(4)])
+    with torch.no_grad():
+        loss = Trainer(model=model, args=args).compute_loss(model, dict(batch))
+        log_probs = model(batch["input_ids"]).logits[:, :-1].float().log_softmax(-1)
+    targets = batch["labels"][:, 1:]
+    nll = -log_probs.gather(-1, targets[..., None]).mean()
+    torch.testing.assert_close(loss, 0.9 * nll - 0.1 * log_probs.mean(), rtol=1e-5, atol=1e-6)
