@@ -195,9 +195,10 @@ def refuse_call_only_wrappers(holders: dict[str, nn.Module]) -> None:
         if not isinstance(holder, (AttnResPseudoQuery, AttnResRMSNorm)) and hasattr(holder, "base_layer"):
             raise ValueError(
                 f"{name} is wrapped by {type(holder).__name__}, which changes {name}.weight only inside its own "
-                f"call, but AttnRes reads that weight without calling {name}: the adapter would train and apply "
-                f"nothing. To fine-tune the pseudo-queries, list them in PEFT's modules_to_save (e.g. "
-                f"modules_to_save=['{name}']) instead of target_parameters.")
+                f"call, but AttnRes reads that weight without calling {name} (the fused sublayer boundary takes "
+                f"it as a tensor): the adapter would train and apply nothing. To fine-tune {name}, list it in "
+                f"PEFT's modules_to_save (modules_to_save=['{name}']) instead of adapting it (target_modules, "
+                f"target_parameters, LN tuning).")
 
 
 def reads_weights_of(holders: list[str]) -> Callable:

@@ -425,15 +425,20 @@ def test_a_graph_compiled_before_offloading_runs_the_hooks_after_it():
 
 
 def test_peft_adapters_on_the_pseudo_queries_are_refused_unless_they_are_copies():
-    """PEFT's `target_parameters` LoRA changes a weight only inside its module's call, which the boundaries
-    never make (they read the weight): refused by name. `modules_to_save` copies are read and trained."""
-    from peft import LoraConfig, get_peft_model
+    """PEFT's `target_parameters` LoRA and LN tuning change a weight only inside its module's call, which the
+    boundaries never make (they read the weight): refused by name. `modules_to_save` copies are read and trained."""
+    from peft import LNTuningConfig, LoraConfig, get_peft_model
 
     ids = torch.randint(3, 97, (2, 6))
     lora = get_peft_model(tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2),
                           LoraConfig(r=1, target_modules=[], target_parameters=["mlp_res_proj.weight"]))
     with pytest.raises(ValueError, match=r"mlp_res_proj is wrapped by ParamWrapper.*modules_to_save"):
         lora(input_ids=ids)
+    ln_tuning = get_peft_model(tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2),
+                               LNTuningConfig(target_modules=["input_layernorm", "post_attention_layernorm"]))
+    with pytest.raises(ValueError, match=r"input_layernorm is wrapped by LNTuningLayer.*To fine-tune "
+                                         r"input_layernorm, list it in PEFT's modules_to_save"):
+        ln_tuning(input_ids=ids)
     copies = get_peft_model(tiny_model(seed=13, num_hidden_layers=3, attn_res_block_size=2),
                             LoraConfig(r=1, target_modules=["q_proj"], modules_to_save=["mlp_res_proj"]))
     copies(input_ids=ids, labels=ids).loss.backward()
