@@ -480,9 +480,10 @@ def check_before_allocating(model_config, config: AttnResConfig) -> None:
         check_checkpoint_against_config(model_config.model, config)
     tokenizer = getattr(model_config, "tokenizer", None)
     if tokenizer and os.path.isdir(tokenizer) and not getattr(model_config, "skip_tokenizer_init", False):
-        from transformers import AutoTokenizer
+        # vLLM's own loader, as the engine loads it: its mode, revision and trust_remote_code apply.
+        from vllm.tokenizers.registry import cached_tokenizer_from_config
 
-        size = len(AutoTokenizer.from_pretrained(tokenizer))
+        size = len(cached_tokenizer_from_config(model_config))
         if size > config.vocab_size:
             raise ValueError(f"The tokenizer in {tokenizer} has {size} tokens but the model's vocab_size is "
                              f"{config.vocab_size}: ids {config.vocab_size}..{size - 1} have no embedding row. Resize "

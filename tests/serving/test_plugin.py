@@ -4,6 +4,7 @@ importable where vLLM is not installed."""
 
 import errno
 import importlib.metadata
+import json
 import os
 import re
 import socket
@@ -311,20 +312,49 @@ def test_a_command_line_vllm_would_refuse_is_refused_before_any_model_is_built(g
         cli.serve_argv(given, cpu=True, env={})
 
 
+def model_config(model: Path | str, tokenizer: Path, config, trust_remote_code: bool = False):
+    """The fields of vLLM's `ModelConfig` that the model's checks before allocating read."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=str(model), tokenizer=str(tokenizer), hf_config=config, runner_type="generate",
+                           tokenizer_mode="auto", tokenizer_revision=None, trust_remote_code=trust_remote_code,
+                           skip_tokenizer_init=False)
+
+
 def test_a_checkpoint_that_cannot_be_served_is_refused_before_allocating(checkpoints):
     """What the vLLM model checks in its constructor, before any weight exists: the checkpoint's tensor
     shapes against its config, and a tokenizer with more tokens than embedding rows."""
-    from types import SimpleNamespace
-
     from attnres.serving.model import check_before_allocating
     from modeling_attnres import AttnResConfig
 
     path = checkpoints("plugin-checks", seed=3)
     config = AttnResConfig.from_pretrained(path)
-    check_before_allocating(SimpleNamespace(model=str(path), tokenizer=str(path)), config)
+    check_before_allocating(model_config(path, path, config), config)
     bigger = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size * 1000)
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight: checkpoint \(104, 64\), config implies"):
-        check_before_allocating(SimpleNamespace(model=str(path), tokenizer=str(path)), bigger)
+        check_before_allocating(model_config(path, path, bigger), bigger)
     smaller = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size - 4)
     with pytest.raises(ValueError, match=r"has 104 tokens but the model's vocab_size is 100: ids 100\.\.103"):
-        check_before_allocating(SimpleNamespace(model="org/elsewhere", tokenizer=str(path)), smaller)
+        check_before_allocating(model_config("org/elsewhere", path, smaller), smaller)
+
+
+def test_the_tokenizer_check_loads_a_remote_code_tokenizer_as_the_engine_does(checkpoints, tmp_path):
+    """A checkpoint whose tokenizer class ships beside it (`auto_map`, `--trust-remote-code`) is checked
+    through vLLM's own tokenizer loader, with the engine's trust_remote_code, as a Llama's would be."""
+    import shutil
+
+    from attnres.serving.model import check_before_allocating
+    from modeling_attnres import AttnResConfig
+
+    path = Path(shutil.copytree(checkpoints("plugin-checks", seed=3), tmp_path / "remote-tokenizer"))
+    (path / "custom_tokenizer.py").write_text("from transformers import PreTrainedTokenizerFast\n\n\n"
+                                              "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings.update(tokenizer_class="CustomTokenizer",
+                    auto_map={"AutoTokenizer": [None, "custom_tokenizer.CustomTokenizer"]})
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    config = AttnResConfig.from_pretrained(path)
+    check_before_allocating(model_config(path, path, config, trust_remote_code=True), config)
+    smaller = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size - 4)
+    with pytest.raises(ValueError, match=r"has 104 tokens but the model's vocab_size is 100"):
+        check_before_allocating(model_config("org/elsewhere", path, smaller, trust_remote_code=True), smaller)
