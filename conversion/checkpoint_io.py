@@ -5,6 +5,7 @@ Sources: transformers folders (`model.safetensors` or `pytorch_model.bin`, eithe
 are opened lazily, one tensor at a time. Writing the output is `publish.staged_folder`'s job.
 """
 
+import argparse
 import json
 import re
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import ConversionError, hub_reason, listing
+from .errors import ConversionError, UsageError, hub_reason, listing
 from .publish import staged_folder
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -199,10 +200,31 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
                               f"{hub_reason(err, revision)}; or download it and pass its folder.") from err
 
 
+def require_path(value: str | Path, name: str) -> str | Path:
+    """`value`, refused when it is an empty (or blank) string: `Path("")` is the current folder, so an unset
+    shell variable (`"$OUT"`) would otherwise name it, and `--overwrite` would replace it."""
+    if isinstance(value, str) and not value.strip():
+        raise UsageError(f"{name} is empty ({value!r}); pass a path (an unset shell variable?)")
+    return value
+
+
+def path_argument(name: str, kind: type = Path):
+    """An argparse `type` for a path argument `name`: `kind(value)` (a `Path`, or `str` for a source that may
+    also be a Hub repo id or a built-in name), an empty string refused (`require_path`) with argparse's usage
+    line and exit status 2."""
+    def parse(value: str):
+        try:
+            return kind(require_path(value, name))
+        except UsageError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{name} ")) from None
+    parse.__name__ = name                           # argparse names the type in its messages
+    return parse
+
+
 def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DST", src_name: str = "SRC") -> None:
     """Refuse, before any work is done, a DST that would lose data or overlap SRC (named as the command
     line names them)."""
-    dst, src = dst.resolve(), src.resolve()
+    dst, src = Path(require_path(dst, dst_name)).resolve(), Path(require_path(src, src_name)).resolve()
     if dst == src or src in dst.parents or dst in src.parents:
         raise ConversionError(f"{dst_name} {dst} overlaps {src_name} {src}; choose a separate output folder.")
     if dst.exists() and not dst.is_dir():
@@ -212,6 +234,10 @@ def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DS
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise ConversionError(f"{dst_name} {dst} exists and is not empty; pass --overwrite to replace it, "
                               "or choose another folder.")
+    if dst.is_dir() and any(dst.iterdir()) and not (dst / "config.json").is_file():    # --overwrite, not a model
+        raise ConversionError(f"{dst_name} {dst} holds files that are not a checkpoint (no config.json; "
+                              f"{listing(sorted(p.name for p in dst.iterdir()), limit=3)}), and --overwrite replaces "
+                              "only a checkpoint folder; choose another folder, or empty this one first.")
 
 
 @contextmanager

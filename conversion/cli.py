@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .checkpoint_io import path_argument
 from .converter import convert
 from .datatypes import DTYPES, ConversionResult, ConvertOptions
 from .errors import EXIT_INTERRUPTED, ConversionError, fail
@@ -24,16 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface; every option maps onto a `ConvertOptions` field."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="local folder, Hub repo id (ORG/NAME), a .pt/.bin state dict or a Llama .gguf file "
-                   "(or a folder holding one)")
-    p.add_argument("dst", type=Path, help="output folder (written to a temporary sibling, renamed at the end)")
+    p.add_argument("src", type=path_argument("SRC", str), help="local folder, Hub repo id (ORG/NAME), a .pt/.bin "
+                   "state dict or a Llama .gguf file (or a folder holding one)")
+    p.add_argument("dst", type=path_argument("DST"),
+                   help="output folder (written to a temporary sibling, renamed at the end)")
     p.add_argument("--block-size", type=int, help="layers per block (default: ceil(layers / 8), about 8 blocks)")
     p.add_argument("--mode", choices=("block", "full"), default="block", help="Block or Full AttnRes")
     p.add_argument("--stream-scale", type=float, help="scale s of the residual stream for standard models "
                    "(default: the power of two with the smallest predicted logit error, calibrated on the source; "
                    "1 for float16 output or eps 0; 1 keeps the weights identical)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="output dtype (default: the source's)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    p.add_argument("--overwrite", action="store_true", help="replace a DST that holds a checkpoint "
+                   "(a non-empty folder without a config.json is refused)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip running both models")
     p.add_argument("--keep-failed", action="store_true", help="publish DST even if the verification fails "
                    "(by default a failed verification leaves nothing at DST and exits with status 1)")

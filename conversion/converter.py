@@ -28,6 +28,7 @@ from .checkpoint_io import (
     copy_side_files,
     load_state_dict_file,
     open_checkpoint,
+    require_path,
     resolve_source,
     staged_destination,
 )
@@ -254,6 +255,7 @@ def write_model(plan: Plan, out: Path, max_shard_size: str) -> None:
 def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = None) -> ConversionResult:
     """Convert SRC (folder, Hub repo id, state-dict file or Llama GGUF file) into an AttnRes checkpoint at DST."""
     options = options or ConvertOptions()
+    src, dst = require_path(src, "SRC"), require_path(dst, "DST")
     check_options(str(src), options)
     src_path = resolve_source(str(src), options.revision)
     label = options.source_label or str(src)

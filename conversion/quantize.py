@@ -39,7 +39,14 @@ import modeling_attnres
 from modeling_attnres.configuration_attnres import AUTO_MAP
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 
-from .checkpoint_io import check_destination, copy_side_files, open_checkpoint, staged_destination
+from .checkpoint_io import (
+    check_destination,
+    copy_side_files,
+    open_checkpoint,
+    path_argument,
+    require_path,
+    staged_destination,
+)
 from .errors import EXIT_INTERRUPTED, ConversionError, fail, listing
 
 # The linear layers vLLM runs through its quantizable `LinearBase` layers (qkv_proj, o_proj,
@@ -123,7 +130,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
 
     Returns the names of the quantized weights.
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(require_path(src, "SRC")), Path(require_path(dst, "DST"))
     config = read_config(src)
     check_destination(dst, src, overwrite)
     config["quantization_config"] = quantization_config()
@@ -154,10 +161,11 @@ def source_folder(src: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`attnres-quantize SRC DST [--overwrite] [--reduce-range]`: W8A8 int8 (compressed-tensors) for vLLM."""
     parser = argparse.ArgumentParser(prog="attnres-quantize", description=main.__doc__)
-    parser.add_argument("src", help="an AttnRes checkpoint folder (transformers layout), or a built-in model "
-                                    "(builtin:attnres-tiny, builtin:smollm2-135m-attnres, ...)")
-    parser.add_argument("dst", help="output folder (written atomically)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("src", type=path_argument("SRC", str),
+                        help="an AttnRes checkpoint folder (transformers layout), or a built-in model "
+                             "(builtin:attnres-tiny, builtin:smollm2-135m-attnres, ...)")
+    parser.add_argument("dst", type=path_argument("DST"), help="output folder (written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a DST that holds a checkpoint")
     parser.add_argument("--reduce-range", action="store_true",
                         help="int8 weights in [-63, 63]: exact products on CPUs without VNNI (AVX2 only), whose "
                              "int8 GEMM overflows full-range weights; half the weights' resolution")

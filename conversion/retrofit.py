@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
-from .checkpoint_io import check_destination
+from .checkpoint_io import check_destination, path_argument
 from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
 from .errors import EXIT_INTERRUPTED, ConversionError, UsageError, fail
 from .publish import staged_file, staged_folder, user_cache_dir
@@ -74,16 +74,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(prog="attnres-retrofit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", type=Path, help="a converted AttnRes checkpoint folder")
-    p.add_argument("corpus", type=Path, help="a text file or a folder of text files")
-    p.add_argument("--out", type=Path, help="write the trained model here (default: WORK_DIR/final)")
-    p.add_argument("--export-depth", type=Path, help="also write only the depth parameters to this .safetensors")
-    p.add_argument("--work-dir", type=Path, help="Trainer checkpoints (default: the user cache, "
+    p.add_argument("model", type=path_argument("MODEL"), help="a converted AttnRes checkpoint folder")
+    p.add_argument("corpus", type=path_argument("CORPUS"), help="a text file or a folder of text files")
+    p.add_argument("--out", type=path_argument("--out"), help="write the trained model here (default: WORK_DIR/final)")
+    p.add_argument("--export-depth", type=path_argument("--export-depth"),
+                   help="also write only the depth parameters to this .safetensors")
+    p.add_argument("--work-dir", type=path_argument("--work-dir"), help="Trainer checkpoints (default: the user cache, "
                    "~/.cache/attnres/retrofit/MODEL_NAME)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work-dir (the same "
                                                          "model, corpus and options)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder or an existing "
-                                                            "--export-depth file")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an --out folder that holds a checkpoint, or an existing --export-depth file")
     p.add_argument("--train", choices=sorted(TRAINABLE), default="depth",
                    help="depth: pseudo-queries + key-norm gains (default); queries; all: every parameter")
     p.add_argument("--pattern", action="append", help=f"file glob in a corpus folder (default: {DEFAULT_PATTERNS})")

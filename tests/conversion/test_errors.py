@@ -126,15 +126,37 @@ def test_stored_tied_head_must_equal_the_embedding(tmp_path):
     refuse(tmp_path, src, "tie_word_embeddings is true but the checkpoint stores an lm_head.weight that differs")
 
 
-def test_existing_destination_needs_overwrite(tmp_path, llama_src, capsys):
+def test_existing_destination_needs_overwrite_and_overwrite_replaces_only_a_checkpoint(tmp_path, llama_src, capsys):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     assert main([str(llama_src), str(dst), "--no-verify"]) == 1
     assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 1
+    assert ("holds files that are not a checkpoint (no config.json; keep.txt), and --overwrite replaces only a "
+            "checkpoint folder") in capsys.readouterr().err
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    (dst / "keep.txt").unlink()
+    assert main([str(llama_src), str(dst), "--no-verify"]) == 0           # an empty folder needs no --overwrite
+    (dst / "stale.txt").write_text("from an earlier run")
     assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 0
-    assert not (dst / "keep.txt").exists() and (dst / "config.json").exists()
+    assert not (dst / "stale.txt").exists() and (dst / "config.json").exists()
+
+
+@pytest.mark.parametrize("empty", ["src", "dst"])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(tmp_path, llama_src, capsys, monkeypatch, empty):
+    """`attnres-convert SRC "$OUT" --overwrite` with OUT unset: "" would be the current folder, replaced."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")                        # a folder --overwrite would replace
+    (tmp_path / "precious.txt").write_text("mine")
+    argv = {"src": ["", "out"], "dst": [str(llama_src), ""]}[empty]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--no-verify", "--overwrite"])
+    assert exited.value.code == 2
+    assert f"argument {empty}: is empty ('')" in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(ConversionError, match=f"{empty.upper()} is empty"):
+        convert(*argv, ConvertOptions(verify=False, overwrite=True))
+    assert (tmp_path / "precious.txt").read_text() == "mine"
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, llama_src, monkeypatch):

@@ -193,6 +193,11 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
             [str(zeroed), str(corpus), "--batch-size", "3"]), 2).value)
     assert retrofit.main([str(zeroed), str(corpus), "--steps", "0"]) == 2          # bad usage
     assert capsys.readouterr().err.strip().splitlines()[-1] == "attnres-retrofit: error: --steps must be >= 1, got 0"
+    for option in ("--out", "--work-dir", "--export-depth"):                      # an unset shell variable
+        with pytest.raises(SystemExit) as exited:
+            retrofit.main([str(zeroed), str(corpus), option, "", "--overwrite"])
+        assert exited.value.code == 2
+        assert f"argument {option}: is empty ('')" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:

@@ -234,3 +234,12 @@ def test_an_unknown_builtin_source_is_a_usage_error_listing_the_builtin_models(t
     assert err == [f"attnres-quantize: error: unknown built-in model 'builtin:attnres-huge'; the built-in models "
                    f"are {', '.join(BUILTIN_MODELS)}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_destination_is_a_usage_error_not_the_current_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exited:
+        quantize_main([str(shipped_model_path()), "", "--overwrite"])
+    assert exited.value.code == 2 and "argument dst: is empty ('')" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
