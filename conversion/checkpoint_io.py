@@ -6,6 +6,7 @@ are opened lazily, one tensor at a time. Writing the output is `publish.staged_f
 """
 
 import argparse
+import errno
 import json
 import re
 import shutil
@@ -240,12 +241,39 @@ def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DS
                               "only a checkpoint folder; choose another folder, or empty this one first.")
 
 
+# Why writing an output failed, by errno, with the fix; anything else keeps its own message.
+WRITE_FAILURES = {errno.ENOSPC: ("no space is left on its device", "free some space, or choose another location"),
+                  errno.EDQUOT: ("the disk quota is exhausted", "free some space, or choose another location"),
+                  errno.EROFS: ("its file system is read-only", "choose a writable location"),
+                  errno.EACCES: ("permission was denied", "choose a folder you may write to"),
+                  errno.EPERM: ("permission was denied", "choose a folder you may write to")}
+
+
+@contextmanager
+def write_failures_named(dst: Path, dst_name: str = "DST") -> Iterator[None]:
+    """Turn a failure to write the output (a full disk, a read-only or forbidden folder) into one
+    `ConversionError` naming `dst`, the cause and the fix, instead of the path of a staging file or
+    safetensors' own wording (which reports the errno only in its text)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        code = getattr(err, "errno", None)
+        if code is None and (found := re.search(r"os error (\d+)", str(err))):
+            code = int(found.group(1))
+        if code not in WRITE_FAILURES or isinstance(err, FileExistsError):
+            raise
+        cause, fix = WRITE_FAILURES[code]
+        raise ConversionError(f"Cannot write {dst_name} {dst}: {cause}; {fix}. Nothing was left at "
+                              f"{dst_name}.") from err
+
+
 @contextmanager
 def staged_destination(dst: Path, overwrite: bool) -> Iterator[Path]:
-    """`publish.staged_folder` for a DST that `check_destination` accepted. Without `overwrite`, a DST that
-    another writer filled meanwhile is kept, and this run's output discarded with an error saying so."""
+    """`publish.staged_folder` for a DST that `check_destination` accepted, write failures named
+    (`write_failures_named`). Without `overwrite`, a DST that another writer filled meanwhile is kept, and
+    this run's output discarded with an error saying so."""
     try:
-        with staged_folder(dst, overwrite=overwrite) as tmp:
+        with write_failures_named(dst), staged_folder(dst, overwrite=overwrite) as tmp:
             yield tmp
     except FileExistsError as err:
         if overwrite or err.filename != str(dst.resolve()):

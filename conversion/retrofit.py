@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
-from .checkpoint_io import check_destination, path_argument
+from .checkpoint_io import check_destination, path_argument, write_failures_named
 from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
 from .errors import EXIT_INTERRUPTED, ConversionError, UsageError, fail
 from .publish import staged_file, staged_folder, user_cache_dir
@@ -392,7 +392,7 @@ def save_result(trainer, tokenizer, out: Path, metrics: dict) -> None:
     if not trainer.is_world_process_zero():
         trainer.save_model(str(out))
     else:
-        with staged_folder(out) as tmp:
+        with write_failures_named(out, "--out"), staged_folder(out) as tmp:
             trainer.save_model(str(tmp))
             tokenizer.save_pretrained(tmp)
             (tmp / "training_args.bin").unlink(missing_ok=True)     # a pickle: not part of a published model

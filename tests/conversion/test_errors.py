@@ -1,5 +1,6 @@
 """Bad inputs: a clear error naming the value and the fix, and nothing left at DST or beside it."""
 
+import errno
 import json
 import os
 import shutil
@@ -319,3 +320,35 @@ def test_a_destination_inside_a_file_is_refused_in_one_line(tmp_path, llama_src,
     assert main([str(llama_src), str(tmp_path / "notes.txt" / "dst"), "--no-verify"]) == 1
     assert capsys.readouterr().err.strip().endswith("is inside a file, not a folder; choose a folder path.")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_full_disk_or_a_read_only_destination_is_one_line_naming_dst(tmp_path, llama_src, capsys, monkeypatch):
+    """The output cannot be written: one line naming DST, the cause and the fix (not safetensors' wording, a
+    traceback, or the path of a staging file), and nothing left behind."""
+    from safetensors import SafetensorError
+
+    import attnres.conversion.publish as publish
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(converter_module, "write_model", full_disk)
+    assert main([str(llama_src), str(tmp_path / "dst"), "--no-verify"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"attnres-convert: error: Cannot write DST {tmp_path / 'dst'}: no space is left on its device; free some "
+        "space, or choose another location. Nothing was left at DST.")
+    assert_nothing_written(tmp_path)
+    monkeypatch.undo()
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".locking"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(publish.os, "open", read_only)
+    assert main([str(llama_src), str(tmp_path / "dst"), "--no-verify"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"attnres-convert: error: Cannot write DST {tmp_path / 'dst'}: its file system is read-only; choose a "
+        "writable location. Nothing was left at DST.")
+    assert_nothing_written(tmp_path)
