@@ -201,6 +201,34 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
                               f"{hub_reason(err, revision)}; or download it and pass its folder.") from err
 
 
+def read_config_json(folder: Path) -> dict:
+    """`folder/config.json` as a dict; a file that is not a JSON object is a `ConversionError` naming it."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConversionError(f"Cannot read {path} as JSON ({err}); fix the file, or save or convert the "
+                              "checkpoint again.") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} holds a JSON {type(config).__name__}, not an object of config fields; fix "
+                              "the file, or save or convert the checkpoint again.")
+    return config
+
+
+def check_attnres_config(config: dict, folder: Path) -> None:
+    """Refuse an AttnRes config.json whose values `AttnResConfig` refuses, in one line (before any work that
+    would otherwise publish or train a checkpoint nobody can load)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from modeling_attnres import AttnResConfig
+
+    try:
+        AttnResConfig.from_dict(config)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as err:
+        reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ConversionError(f"{folder / 'config.json'} is not a valid AttnRes config: {reason}") from None
+
+
 def require_path(value: str | Path, name: str) -> str | Path:
     """`value`, refused when it is an empty (or blank) string: `Path("")` is the current folder, so an unset
     shell variable (`"$OUT"`) would otherwise name it, and `--overwrite` would replace it."""

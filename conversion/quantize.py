@@ -40,10 +40,12 @@ from modeling_attnres.configuration_attnres import AUTO_MAP
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 
 from .checkpoint_io import (
+    check_attnres_config,
     check_destination,
     copy_side_files,
     open_checkpoint,
     path_argument,
+    read_config_json,
     require_path,
     staged_destination,
 )
@@ -108,18 +110,20 @@ def read_config(src: Path) -> dict:
     if not path.is_file():
         raise ConversionError(f"No config.json in {src}; SRC must be an AttnRes checkpoint folder "
                               "(convert other models with attnres-convert first).")
-    config = json.loads(path.read_text())
-    if "AttnResForCausalLM" not in config.get("architectures", []):
+    config = read_config_json(src)
+    if "AttnResForCausalLM" not in (config.get("architectures") or []):
         raise ConversionError(f"{path} has architectures={config.get('architectures')}, expected "
                               "['AttnResForCausalLM']; convert the model with attnres-convert first.")
     if "quantization_config" in config:
-        method = config["quantization_config"].get("quant_method")
+        settings = config["quantization_config"]
+        method = settings.get("quant_method") if isinstance(settings, dict) else settings
         raise ConversionError(f"{src} is already quantized (quant_method={method!r}); pass the unquantized checkpoint.")
     if config.get("num_experts"):
         raise ConversionError(f"{src} is a mixture of experts ({config['num_experts']} experts): attnres-quantize "
                               "writes W8A8 int8 for dense linear layers only, and vLLM's CPU build has no int8 "
                               "kernel for fused experts. Serve the unquantized model, or quantize it with a tool "
                               "that supports MoE (e.g. llm-compressor) on a GPU machine.")
+    check_attnres_config(config, src)
     return config
 
 

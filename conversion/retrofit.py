@@ -41,7 +41,13 @@ from transformers import TrainerCallback
 
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
-from .checkpoint_io import check_destination, path_argument, write_failures_named
+from .checkpoint_io import (
+    check_attnres_config,
+    check_destination,
+    path_argument,
+    read_config_json,
+    write_failures_named,
+)
 from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
 from .errors import EXIT_INTERRUPTED, ConversionError, UsageError, fail
 from .publish import staged_file, staged_folder, user_cache_dir
@@ -161,7 +167,7 @@ def check_attnres(path: Path) -> dict:
     if not config_file.is_file():
         raise RetrofitError(f"{path} is not a checkpoint folder (no config.json); pass a folder written by "
                             "attnres-convert or save_pretrained")
-    config = json.loads(config_file.read_text())
+    config = read_config_json(path)
     if config.get("model_type") != "attnres":
         raise RetrofitError(f"{path} holds a {config.get('model_type')!r} model, not an AttnRes one; "
                             f"convert it first: attnres-convert {path} {path}-attnres")
@@ -171,6 +177,7 @@ def check_attnres(path: Path) -> dict:
         raise RetrofitError(f"{path} is quantized ({method}); retrofit trains in full precision and would write a "
                             "checkpoint that is neither: retrofit the unquantized checkpoint, then quantize the "
                             "result (attnres-quantize)")
+    check_attnres_config(config, path)
     return config
 
 

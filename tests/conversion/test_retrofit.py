@@ -193,6 +193,12 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
             [str(zeroed), str(corpus), "--batch-size", "3"]), 2).value)
     assert retrofit.main([str(zeroed), str(corpus), "--steps", "0"]) == 2          # bad usage
     assert capsys.readouterr().err.strip().splitlines()[-1] == "attnres-retrofit: error: --steps must be >= 1, got 0"
+    broken = Path(shutil.copytree(zeroed, tmp_path / "broken"))
+    (broken / "config.json").write_text("{bad json")
+    assert "broken/config.json as JSON (Expecting property name" in error_of(capsys, broken, corpus)
+    config = json.loads((zeroed / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "attn_res_block_size": 0}))
+    assert "broken/config.json is not a valid AttnRes config: " in error_of(capsys, broken, corpus)
     for option in ("--out", "--work-dir", "--export-depth"):                      # an unset shell variable
         with pytest.raises(SystemExit) as exited:
             retrofit.main([str(zeroed), str(corpus), option, "", "--overwrite"])

@@ -7,6 +7,8 @@ runs the int8 weights and quantizes activations) and stay near the unquantized m
 """
 
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -243,3 +245,19 @@ def test_an_empty_destination_is_a_usage_error_not_the_current_folder(tmp_path, 
         quantize_main([str(shipped_model_path()), "", "--overwrite"])
     assert exited.value.code == 2 and "argument dst: is empty ('')" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{bad json", r"Cannot read .*config.json as JSON \(Expecting property name"),
+    ("[]", r"config.json holds a JSON list, not an object of config fields"),
+    (None, r"config.json is not a valid AttnRes config: .*attn_res_block_size.* got 0")])
+def test_a_broken_config_is_one_line_and_nothing_is_written(tmp_path, capsys, config, message):
+    src = Path(shutil.copytree(shipped_model_path(), tmp_path / "src"))
+    if config is None:                                           # valid JSON, a value AttnResConfig refuses
+        config = json.dumps({**json.loads((src / "config.json").read_text()), "attn_res_block_size": 0})
+    (src / "config.json").write_text(config)
+    assert quantize_main([str(src), str(tmp_path / "out")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnres-quantize: error: "), lines
+    assert re.search(message, lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()
