@@ -6,6 +6,8 @@ types on construction and assignment, and runs every `validate_*` method on cons
 `from_pretrained` and on `save_pretrained`.
 """
 
+import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -133,6 +135,16 @@ class AttnResConfig(LlamaConfig):
     output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
+        misspelt = [key for key in kwargs if key.startswith("attn_res_")]      # would be kept and never read
+        if misspelt:
+            known = [f.name for f in dataclasses.fields(self) if f.name.startswith("attn_res_")]
+            guess = difflib.get_close_matches(misspelt[0], known, 1, 0)[0]
+            raise ValueError(f"AttnResConfig has no field {misspelt[0]!r}; its depth-attention fields are "
+                             f"{', '.join(known)} (did you mean {guess!r}?).")
+        heads = self.num_attention_heads
+        if self.head_dim is None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise ValueError(f"AttnResConfig.num_attention_heads must be a positive integer, got {heads!r}; give the "
+                             "model's own head count (a config written by save_pretrained has it).")
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
         self.mlp_only_layers = [] if self.mlp_only_layers is None else list(self.mlp_only_layers)
@@ -329,12 +341,16 @@ def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResCo
     allocated) disagree with the sizes or layer count of `config`, its own config.json, before a model is
     built: a config.json that claims more rows or layers than the weights would otherwise allocate them
     first. (A config the caller gives may differ: fewer layers load the first ones, as for Llama.)"""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     shapes = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+        try:
+            with safe_open(str(file), "pt") as handle:
+                shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+        except SafetensorError as err:
+            raise ValueError(f"Cannot read the safetensors file {file} ({err}): it is truncated or corrupt; "
+                             "download or copy it again.") from None
     layers = {int(m.group(1)) for key in shapes if (m := re.match(r"model\.layers\.(\d+)\.", key))}
     if layers and max(layers) + 1 != config.num_hidden_layers:
         raise ValueError(f"The checkpoint in {folder} has {max(layers) + 1} layers but its config.json says "
@@ -388,6 +404,9 @@ def check_not_foreign(config_dict: dict) -> None:
     not `attnres`), which `attnres-convert` turns into an AttnRes checkpoint. A dict of this package's keys
     alone (an empty one is what transformers reads from a folder without config.json) takes the defaults,
     as for Llama."""
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"config.json holds a JSON {type(config_dict).__name__}, not an object of config fields; "
+                         "replace it with the config.json that save_pretrained or attnres-convert wrote.")
     if not config_dict:
         return
     model_type = config_dict.get("model_type", "attnres")

@@ -157,3 +157,20 @@ def test_our_own_saved_config_is_not_foreign(tmp_path):
     config.auto_map = {"AutoConfig": "configuration_attnres.AttnResConfig"}
     config.save_pretrained(tmp_path)
     assert isinstance(AutoConfig.from_pretrained(tmp_path), AttnResConfig)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(attn_res_blocksize=4), r"AttnResConfig has no field 'attn_res_blocksize'; its depth-attention fields are "
+                                 r"attn_res_mode, attn_res_block_size, attn_res_bank_dtype \(did you mean "
+                                 r"'attn_res_block_size'\?\)"),
+    (dict(num_attention_heads=0), r"AttnResConfig.num_attention_heads must be a positive integer, got 0")])
+def test_a_misspelt_depth_field_and_zero_heads_are_refused_by_name(fields, message):
+    """A misspelt field would be kept as an attribute nobody reads (the model silently taking the default),
+    and zero heads would divide by zero while deriving head_dim."""
+    with pytest.raises(ValueError, match=message):
+        AttnResConfig(**fields)
+
+
+def test_a_config_json_that_is_not_an_object_is_named():
+    with pytest.raises(ValueError, match="config.json holds a JSON list, not an object of config fields"):
+        AttnResConfig.from_dict([])

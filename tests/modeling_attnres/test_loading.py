@@ -123,3 +123,12 @@ def test_weights_renamed_to_fewer_layers_still_match_the_first_layers(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     assert len(AutoModelForCausalLM.from_pretrained(tmp_path).model.layers) == 2
+
+
+def test_a_truncated_weights_file_is_named_with_the_fix(tmp_path):
+    tiny_model(seed=2).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"Cannot read the safetensors file {weights} \(.*\): it is truncated or "
+                                         r"corrupt; download or copy it again\."):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
