@@ -144,8 +144,13 @@ def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], dict | No
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several unrelated types for bad pickles and zip archives
-        raise ConversionError(f"Cannot load {path} as a PyTorch state dict: {err}. The file is corrupt, "
-                              "truncated, or not a torch.save of tensors.") from err
+        # torch's text spans lines and advises weights_only=False, which would run the file's code: keep the cause.
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        cause = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
+        raise ConversionError(f"Cannot load {path} as a PyTorch state dict ({cause}); the file is corrupt, "
+                              "truncated, or not a torch.save of tensors (Python objects other than tensors are "
+                              "not loaded, since unpickling them could run code): save model.state_dict(), or "
+                              "convert from safetensors.") from err
     if not isinstance(obj, dict):
         raise ConversionError(f"{path} holds a {type(obj).__name__}, expected a dict of tensors; "
                               "save `model.state_dict()`, not the module.")

@@ -352,3 +352,19 @@ def test_a_full_disk_or_a_read_only_destination_is_one_line_naming_dst(tmp_path,
         f"attnres-convert: error: Cannot write DST {tmp_path / 'dst'}: its file system is read-only; choose a "
         "writable location. Nothing was left at DST.")
     assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["garbage", "pickle"])
+def test_an_unloadable_state_dict_file_is_one_line_without_torchs_advice(tmp_path, capsys, content):
+    """torch's own error spans lines and advises weights_only=False (which would run the file's code)."""
+    path = tmp_path / "model.pt"
+    if content == "garbage":
+        path.write_bytes(b"\x80\x02garbage that is no pickle")
+    else:
+        torch.save({"weights": torch.zeros(2), "optimizer": GPT2Config()}, path)      # an object, not a tensor
+    assert main([str(path), str(tmp_path / "dst"), "--no-verify"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnres-convert: error: Cannot load {path} as a PyTorch state "
+                                                   "dict ("), lines
+    assert "save model.state_dict()" in lines[0] and "weights_only=False" not in lines[0]
+    assert_nothing_written(tmp_path, "dst")
