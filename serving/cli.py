@@ -118,8 +118,10 @@ def has_option(args: list[str], *names: str) -> bool:
 
 
 def compile_option_given(args: list[str]) -> bool:
-    """Whether the user chose how vLLM compiles (`--enforce-eager`, `--compilation-config`, `-cc`, `-O...`)."""
-    return has_option(args, "--enforce-eager", "--compilation-config", "-cc") or any(a.startswith("-O") for a in args)
+    """Whether the user chose how vLLM compiles (`--enforce-eager`, `--compilation-config`, `-cc`, `-O...`,
+    `--optimization-level`, each also as a dotted `-cc.backend=...`)."""
+    return any(a.startswith(("--enforce-eager", "--compilation-config", "-cc", "-O", "--optimization-level"))
+               for a in args)
 
 
 def option_values(args: list[str], *names: str) -> list[str]:
@@ -155,6 +157,7 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         return args
     if has_option(args, "-h", "--help"):
         return ["serve", *args]                                        # no model is generated for help
+    args = expand_config_file(args)
     check_port(args)
     model, args = take_model(args)
     if model == "serve" and not os.path.exists(model):
@@ -222,15 +225,41 @@ def take_model(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
-def vllm_model_tag(args: list[str]) -> str | None:
-    """The positional model of `vllm serve args`, read by vLLM's own parser (only vLLM knows which of its
-    options take a value: `--port 8000 MODEL` against `--enforce-eager MODEL`; it also reads `--max_model_len`
-    and `-O 2` its own way). A command line it refuses is refused here, with its message. Imports vLLM's
-    CLI, which the server imports next anyway."""
+def serve_parser():
+    """vLLM's own `vllm serve` argument parser. Imports vLLM's CLI, which the server imports next anyway."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    serve = ServeSubcommand().subparser_init(FlexibleArgumentParser(prog="vllm").add_subparsers())
+    return ServeSubcommand().subparser_init(FlexibleArgumentParser(prog="vllm").add_subparsers())
+
+
+def expand_config_file(args: list[str]) -> list[str]:
+    """`args` with vLLM's `--config FILE.yaml` replaced by the options in the file, where vLLM puts them:
+    after a positional model, before the other options (which win over the file's). The defaults this
+    command adds then see the file's options as given, and a `model:` in the file (a `builtin:` name too)
+    is the model."""
+    paths = option_values(args, "--config")
+    if not paths:
+        return args
+    if len(paths) > 1:
+        raise UsageError(f"--config is given {len(paths)} times; pass one YAML file of options")
+    i = next(i for i, a in enumerate(args) if a == "--config" or a.startswith("--config="))
+    rest = args[:i] + args[i + (2 if args[i] == "--config" else 1):]
+    try:
+        options = serve_parser().load_config_file(paths[0])
+    except Exception as err:            # vLLM raises what open() and yaml raise, and ValueError for the suffix
+        raise UsageError(f"--config {paths[0]!r} cannot be read as vLLM's YAML of options ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else 'no message'}); pass a .yaml file of "
+                         "`option: value` lines") from None
+    head = rest[:1] if rest and not rest[0].startswith("-") else []
+    return head + options + rest[len(head):]
+
+
+def vllm_model_tag(args: list[str]) -> str | None:
+    """The positional model of `vllm serve args`, read by vLLM's own parser (only vLLM knows which of its
+    options take a value: `--port 8000 MODEL` against `--enforce-eager MODEL`; it also reads `--max_model_len`
+    and `-O 2` its own way). A command line it refuses is refused here, with its message."""
+    serve = serve_parser()
     messages = io.StringIO()
     try:
         with contextlib.redirect_stderr(messages):

@@ -201,6 +201,36 @@ def test_serve_argv_respects_given_options():
     assert cli.option_values(other, "--middleware") == ["my.Middleware", cli.MIDDLEWARE]      # ours is added too
 
 
+def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_wins(tmp_path, monkeypatch):
+    """`--config FILE.yaml` (vLLM's): its options count as given, so no default of this command overrides
+    them; its `model:` is the model (a built-in name too); options on the command line win over it."""
+    monkeypatch.setattr(cli, "resolve_default", refuse_to_build)
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {shipped_model_path()}\nport: 8126\nhost: 127.0.0.2\nserved-model-name: mine\n"
+                      "shutdown-timeout: 2\nkv-cache-memory-bytes: 64M\nenforce-eager: true\n")
+    argv = cli.serve_argv(["--config", str(config), "--port", "8127"], cpu=True, env={})
+    parsed = cli.serve_parser().parse_args(argv[1:])
+    assert (parsed.model_tag, parsed.port, parsed.host, parsed.served_model_name) == (
+        str(shipped_model_path()), 8127, "127.0.0.2", ["mine"])
+    assert (parsed.shutdown_timeout, parsed.kv_cache_memory_bytes, parsed.enforce_eager) == (2, 64 << 20, True)
+    assert "--compilation-config" not in argv and "--config" not in argv
+    monkeypatch.setattr(cli, "resolve_model", lambda name: f"/resolved/{name}")
+    config.write_text("model: builtin:attnres-random\n")
+    assert cli.serve_argv([f"--config={config}"], cpu=False, env={})[1] == "/resolved/builtin:attnres-random"
+    with pytest.raises(UsageError, match=r"--config '.*notes.txt' cannot be read as vLLM's YAML of options"):
+        cli.serve_argv(["--config", str(tmp_path / "notes.txt")], cpu=False, env={})
+
+
+@pytest.mark.parametrize("option", [["--optimization-level", "0"], ["-cc.mode=0"], ["-cc.backend=inductor"]])
+def test_every_spelling_of_a_compilation_choice_keeps_the_default_compilation_out(option, monkeypatch):
+    """The default model's compilation (`DEFAULT_COMPILATION`) is added only where the user chose none."""
+    monkeypatch.setattr(cli, "resolve_default", lambda: (str(shipped_model_path()), "default"))
+    assert "--compilation-config" in cli.serve_argv([], cpu=True, env={})
+    argv = cli.serve_argv(option, cpu=True, env={})
+    assert "--compilation-config" not in argv
+    assert "VLLM_USE_AOT_COMPILE" not in cli.server_environment(argv, cpu=True, env={})
+
+
 @pytest.mark.parametrize("args, env, warned", [
     (["--host", "0.0.0.0"], {}, True), (["--host=192.168.1.5"], {}, True), (["--host", "::"], {}, True),
     (["--host", "0.0.0.0", "--api-key", "k"], {}, False), (["--host", "0.0.0.0"], {"VLLM_API_KEY": "k"}, False),
