@@ -85,6 +85,10 @@ def output_dtype(source: TensorSource, name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+# --stream-scale's range, as a power of two: past it bfloat16 and float16 weights overflow or flush to zero.
+MAX_SCALE_POWER = 16
+
+
 def check_options(src: str, options: ConvertOptions) -> None:
     """Values and combinations of options that are wrong whatever SRC holds: refused before any work."""
     if options.block_size is not None and options.block_size < 1:
@@ -94,6 +98,11 @@ def check_options(src: str, options: ConvertOptions) -> None:
                          "sublayer output, without blocks. Drop one of the two.")
     if options.stream_scale is not None and not (math.isfinite(options.stream_scale) and options.stream_scale > 0):
         raise UsageError(f"--stream-scale must be a positive finite number, got {options.stream_scale}.")
+    scale_range = (2.0 ** -MAX_SCALE_POWER, 2.0 ** MAX_SCALE_POWER)
+    if options.stream_scale is not None and not scale_range[0] <= options.stream_scale <= scale_range[1]:
+        raise UsageError(f"--stream-scale {options.stream_scale:g} is out of range: the scaled weights would overflow "
+                         f"or vanish; use a power of two from 1/{2 ** MAX_SCALE_POWER} to {2 ** MAX_SCALE_POWER} (the "
+                         "calibration tries 1 up to the number of depth sources).")
     if options.stream_scale is not None and math.frexp(options.stream_scale)[0] != 0.5:
         power = 2.0 ** round(math.log2(options.stream_scale))
         raise UsageError(f"--stream-scale must be a power of two, got {options.stream_scale:g}: other scales round "

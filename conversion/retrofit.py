@@ -125,6 +125,8 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         raise UsageError(f"--kl-weight must be a finite number >= 0, got {args.kl_weight}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a finite number > 0, got {args.lr} (the default is 5e-4)")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise UsageError(f"--stop-after must be a step >= 1, got {args.stop_after}; drop it to train all --steps")
     for name in ("warmup", "eval_windows"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -146,6 +148,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     if args.out is not None:
         check_destination(args.out, args.model, args.overwrite, "--out", "MODEL")
     work = args.work_dir.resolve()
+    if work.exists() and not work.is_dir():
+        raise RetrofitError(f"--work-dir {work} is a file; pass a folder for the training checkpoints")
     if work == model or model in work.parents or work in model.parents:
         raise RetrofitError(f"--work-dir {work} overlaps MODEL {model}; pass a separate folder")
     if args.export_depth is None:

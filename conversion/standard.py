@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from modeling_attnres import AttnResConfig
 
-from .errors import ConversionError
+from .errors import ConversionError, UsageError
 from .keymap import Fill, Rule, TensorSource
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
@@ -137,6 +137,10 @@ def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> i
             "layer: AttnRes has no sliding-window layers. Convert a checkpoint with use_sliding_window=false."
         )
     window = getattr(config, "sliding_window", None) if not layer_types else None
+    if (not window or window >= config.max_position_embeddings) and clip_to_window:
+        raise UsageError(f"--clip-to-sliding-window does not apply: this {config.model_type} model has no sliding "
+                         f"window shorter than its max_position_embeddings ({config.max_position_embeddings}; "
+                         f"sliding_window={window}), so it converts exactly as it is; drop the option.")
     if not window or window >= config.max_position_embeddings:       # None, or Qwen2-MoE's 0 for none
         return None
     if clip_to_window:

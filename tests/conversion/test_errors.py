@@ -191,6 +191,8 @@ def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
     (["--private"], "--private applies to the Hub repo that --push-to-hub creates"),
     (["--stream-scale", "3"], "--stream-scale must be a power of two, got 3: other scales round every scaled "
                               "weight, and verification would fail; use 4."),
+    (["--stream-scale", "1e301"], "--stream-scale 1e+301 is out of range: the scaled weights would overflow or "
+                                  "vanish; use a power of two from 1/65536 to 65536"),
     (["--seed-block-size", "0"], "--seed-block-size must be 1 (Full AttnRes) or an even number of sublayers"),
     (["--seed-block-size", "3"], "(2 per layer: AttnRes blocks hold whole layers), got 3."),
     (["--push-to-hub", "not a repo"], "--push-to-hub 'not a repo' is not a Hub repo id"),
@@ -313,6 +315,12 @@ def test_options_that_do_not_apply_are_named_as_typed(tmp_path, llama_src, capsy
     capsys.readouterr()
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--clip-to-sliding-window"]) == 2
     assert "--clip-to-sliding-window do(es) not apply here" in capsys.readouterr().err
+    assert main([str(llama_src), str(tmp_path / "c"), "--clip-to-sliding-window"]) == 2      # no window to clip
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "attnres-convert: error: --clip-to-sliding-window does not apply: this llama model has no sliding window "
+        "shorter than its max_position_embeddings (128; sliding_window=None), so it converts exactly as it is; drop "
+        "the option.")
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_destination_inside_a_file_is_refused_in_one_line(tmp_path, llama_src, capsys):

@@ -193,6 +193,11 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
             [str(zeroed), str(corpus), "--batch-size", "3"]), 2).value)
     assert retrofit.main([str(zeroed), str(corpus), "--steps", "0"]) == 2          # bad usage
     assert capsys.readouterr().err.strip().splitlines()[-1] == "attnres-retrofit: error: --steps must be >= 1, got 0"
+    assert retrofit.main([str(zeroed), str(corpus), "--stop-after", "-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--stop-after must be a step >= 1, got -1; drop "
+                                                                     "it to train all --steps")
+    (tmp_path / "afile").write_text("")
+    assert "--work-dir" in error_of(capsys, zeroed, corpus, "--work-dir", tmp_path / "afile")
     broken = Path(shutil.copytree(zeroed, tmp_path / "broken"))
     (broken / "config.json").write_text("{bad json")
     assert "broken/config.json as JSON (Expecting property name" in error_of(capsys, broken, corpus)
