@@ -112,22 +112,32 @@ def patch_vllm_version() -> None:
     importlib.metadata.version = version
 
 
+def option_name(arg: str) -> str:
+    """`arg` as vLLM's parser reads an option's name: `--served_model_name=x` is `--served-model-name=x`
+    (underscores in the name, before any `=`, are dashes); anything else is returned unchanged."""
+    if not arg.startswith("--"):
+        return arg
+    name, equals, value = arg.partition("=")
+    return name.replace("_", "-") + equals + value
+
+
 def has_option(args: list[str], *names: str) -> bool:
-    """Whether any of the `--option` names is given (as `--option value` or `--option=value`)."""
-    return any(a == n or a.startswith(n + "=") for a in args for n in names)
+    """Whether any of the `--option` names is given (as `--option value` or `--option=value`, in either
+    spelling vLLM accepts: `--option_name` too)."""
+    return any(a == n or a.startswith(n + "=") for a in map(option_name, args) for n in names)
 
 
 def compile_option_given(args: list[str]) -> bool:
     """Whether the user chose how vLLM compiles (`--enforce-eager`, `--compilation-config`, `-cc`, `-O...`,
     `--optimization-level`, each also as a dotted `-cc.backend=...`)."""
     return any(a.startswith(("--enforce-eager", "--compilation-config", "-cc", "-O", "--optimization-level"))
-               for a in args)
+               for a in map(option_name, args))
 
 
 def option_values(args: list[str], *names: str) -> list[str]:
     """Every value given to `--option value` / `--option=value` among `names`, in order."""
     values = []
-    for i, arg in enumerate(args):
+    for i, arg in enumerate(map(option_name, args)):
         for name in names:
             if arg == name and i + 1 < len(args):
                 values.append(args[i + 1])
@@ -252,7 +262,20 @@ def expand_config_file(args: list[str]) -> list[str]:
                          f"{str(err).splitlines()[0] if str(err) else 'no message'}); pass a .yaml file of "
                          "`option: value` lines") from None
     head = rest[:1] if rest and not rest[0].startswith("-") else []
+    if head or has_option(rest, "--model"):     # the command line's model wins, as in vLLM: drop the file's
+        options = without_option(options, "--model")
     return head + options + rest[len(head):]
+
+
+def without_option(args: list[str], name: str) -> list[str]:
+    """`args` without the option `name` and its value (`name value` or `name=value`)."""
+    kept, skip = [], False
+    for arg in args:
+        given = option_name(arg)
+        if not skip and given != name and not given.startswith(name + "="):
+            kept.append(arg)
+        skip = not skip and given == name
+    return kept
 
 
 def vllm_model_tag(args: list[str]) -> str | None:

@@ -217,6 +217,14 @@ def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_
     monkeypatch.setattr(cli, "resolve_model", lambda name: f"/resolved/{name}")
     config.write_text("model: builtin:attnres-random\n")
     assert cli.serve_argv([f"--config={config}"], cpu=False, env={})[1] == "/resolved/builtin:attnres-random"
+    config.write_text("model: builtin:attnres-random\nserved_model_name: mine\nshutdown_timeout: 2\n"
+                      "enforce_eager: true\n")                     # vLLM's underscore spelling of the names
+    for given in (["/cli/model"], ["--model", "/cli/model"]):         # the command line's model wins
+        argv = cli.serve_argv([*given, "--config", str(config)], cpu=True, env={})
+        parsed = cli.serve_parser().parse_args(argv[1:])
+        assert (parsed.model_tag, parsed.served_model_name, parsed.shutdown_timeout, parsed.enforce_eager) == (
+            "/resolved//cli/model", ["mine"], 2, True)
+        assert "--compilation-config" not in argv
     with pytest.raises(UsageError, match=r"--config '.*notes.txt' cannot be read as vLLM's YAML of options"):
         cli.serve_argv(["--config", str(tmp_path / "notes.txt")], cpu=False, env={})
 
