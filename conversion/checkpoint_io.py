@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import ConversionError, UsageError, hub_reason, listing
-from .publish import staged_folder
+from .publish import STAGING_MARK, staged_folder
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -282,22 +282,37 @@ WRITE_FAILURES = {errno.ENOSPC: ("no space is left on its device", "free some sp
                   errno.EPERM: ("permission was denied", "choose a folder you may write to")}
 
 
+def writes_to(path: Path, dst: Path) -> bool:
+    """Whether `path` (resolved) is where writing `dst` (resolved) goes: `dst` and the folders above it
+    (created first), or inside `dst` or one of its stagings (`.NAME.staging-...` beside it)."""
+    if path == dst or path in dst.parents:
+        return True
+    if not path.is_relative_to(dst.parent) or path == dst.parent:
+        return False
+    top = path.relative_to(dst.parent).parts[0]
+    return top == dst.name or top.startswith(f".{dst.name}{STAGING_MARK}")
+
+
 @contextmanager
 def write_failures_named(dst: Path, dst_name: str = "DST") -> Iterator[None]:
     """Turn a failure to write the output (a full disk, a read-only or forbidden folder) into one
     `ConversionError` naming `dst`, the cause and the fix, instead of the path of a staging file or
-    safetensors' own wording (which reports the errno only in its text)."""
+    safetensors' own wording (which gives the errno only in its text). Only failures at `dst`'s folder
+    (where its staging lives) and safetensors' write errors are translated: reading SRC or a cache
+    elsewhere fails with its own message."""
     try:
         yield
     except (OSError, SafetensorError) as err:
-        code = getattr(err, "errno", None)
-        if code is None and (found := re.search(r"os error (\d+)", str(err))):
-            code = int(found.group(1))
+        if isinstance(err, SafetensorError):
+            found = re.search(r"serializ.*os error (\d+)", str(err))
+            code = int(found.group(1)) if found else None
+        else:
+            paths = [Path(name).resolve() for name in (err.filename, err.filename2) if name]
+            code = err.errno if any(writes_to(path, dst.resolve()) for path in paths) else None
         if code not in WRITE_FAILURES or isinstance(err, FileExistsError):
             raise
         cause, fix = WRITE_FAILURES[code]
-        raise ConversionError(f"Cannot write {dst_name} {dst}: {cause}; {fix}. Nothing was left at "
-                              f"{dst_name}.") from err
+        raise ConversionError(f"Cannot write {dst_name} {dst}: {cause}; {fix}. {dst_name} is as it was.") from err
 
 
 @contextmanager

@@ -403,7 +403,7 @@ def save_result(trainer, tokenizer, out: Path, metrics: dict) -> None:
     if not trainer.is_world_process_zero():
         trainer.save_model(str(out))
     else:
-        with write_failures_named(out, "--out"), staged_folder(out) as tmp:
+        with write_failures_named(out, "the output folder"), staged_folder(out) as tmp:
             trainer.save_model(str(tmp))
             tokenizer.save_pretrained(tmp)
             (tmp / "training_args.bin").unlink(missing_ok=True)     # a pickle: not part of a published model
@@ -432,7 +432,7 @@ def export_depth(folder: Path, dst: Path, metadata: dict) -> int:
     meta = {"format": DEPTH_FORMAT, **{k: str(config.get(k)) for k in DEPTH_CONFIG_KEYS},
             **{k: str(v) for k, v in metadata.items()}}
     tensors = {k: v.float().contiguous() for k, v in depth_state_dict(folder).items()}
-    with staged_file(dst) as tmp:
+    with write_failures_named(dst, "--export-depth"), staged_file(dst) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return len(tensors)
 

@@ -344,7 +344,7 @@ def test_a_full_disk_or_a_read_only_destination_is_one_line_naming_dst(tmp_path,
     assert main([str(llama_src), str(tmp_path / "dst"), "--no-verify"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"attnres-convert: error: Cannot write DST {tmp_path / 'dst'}: no space is left on its device; free some "
-        "space, or choose another location. Nothing was left at DST.")
+        "space, or choose another location. DST is as it was.")
     assert_nothing_written(tmp_path)
     monkeypatch.undo()
     real_open = os.open
@@ -358,7 +358,17 @@ def test_a_full_disk_or_a_read_only_destination_is_one_line_naming_dst(tmp_path,
     assert main([str(llama_src), str(tmp_path / "dst"), "--no-verify"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"attnres-convert: error: Cannot write DST {tmp_path / 'dst'}: its file system is read-only; choose a "
-        "writable location. Nothing was left at DST.")
+        "writable location. DST is as it was.")
+    assert_nothing_written(tmp_path)
+    monkeypatch.undo()
+
+    def unreadable_source(src, dst):                        # reading SRC fails: not blamed on DST
+        raise PermissionError(errno.EACCES, "Permission denied", str(src / "tokenizer.json"))
+
+    monkeypatch.setattr(converter_module, "copy_side_files", unreadable_source)
+    assert main([str(llama_src), str(tmp_path / "dst"), "--no-verify"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"attnres-convert: error: [Errno 13] Permission denied: '{llama_src / 'tokenizer.json'}'")
     assert_nothing_written(tmp_path)
 
 
