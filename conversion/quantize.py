@@ -157,9 +157,13 @@ def source_folder(src: str) -> str:
     built on first use and cached; an unknown name is a usage error listing the built-in models)."""
     if not src.startswith("builtin:"):
         return src
-    from attnres.serving.defaults import resolve_model  # the server's names and cache; imported only for them
+    from attnres.serving.default_model import DefaultModelUnavailable  # the server's names and cache, only here
+    from attnres.serving.defaults import resolve_model
 
-    return resolve_model(src, prog="attnres-quantize")
+    try:
+        return resolve_model(src, prog="attnres-quantize")
+    except DefaultModelUnavailable as err:           # no registry, a wrong download: said in one line
+        raise ConversionError(" ".join(str(err).split())) from err
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -261,3 +261,16 @@ def test_a_broken_config_is_one_line_and_nothing_is_written(tmp_path, capsys, co
     assert len(lines) == 1 and lines[0].startswith("attnres-quantize: error: "), lines
     assert re.search(message, lines[0]), lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_builtin_source_that_cannot_be_built_is_one_line(tmp_path, capsys, monkeypatch):
+    from attnres.serving import default_model
+
+    def unavailable(*args, **kwargs):
+        raise default_model.DefaultModelUnavailable("pip download attnres-smollm2 failed (exit 1): no network")
+
+    monkeypatch.setattr(default_model, "ensure_default_model", unavailable)
+    assert quantize_main(["builtin:smollm2-135m-attnres", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "attnres-quantize: error: pip download attnres-smollm2 failed (exit 1): no network"]
+    assert not (tmp_path / "out").exists()
