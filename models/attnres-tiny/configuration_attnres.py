@@ -135,12 +135,6 @@ class AttnResConfig(LlamaConfig):
     output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
-        misspelt = [key for key in kwargs if key.startswith("attn_res_")]      # would be kept and never read
-        if misspelt:
-            known = [f.name for f in dataclasses.fields(self) if f.name.startswith("attn_res_")]
-            guess = difflib.get_close_matches(misspelt[0], known, 1, 0)[0]
-            raise ValueError(f"AttnResConfig has no field {misspelt[0]!r}; its depth-attention fields are "
-                             f"{', '.join(known)} (did you mean {guess!r}?).")
         heads = self.num_attention_heads
         if self.head_dim is None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"AttnResConfig.num_attention_heads must be a positive integer, got {heads!r}; give the "
@@ -247,7 +241,16 @@ class AttnResConfig(LlamaConfig):
         return [l for l in range(self.num_hidden_layers) if self.is_sparse_layer(l)]
 
     def validate_attn_res(self):
-        """The depth-attention fields; runs on construction and load."""
+        """The depth-attention fields; runs on construction, load and save. An `attn_res_*` attribute that is
+        not one of them (a misspelt field, kept by transformers as an extra attribute) is refused: it would be
+        saved and never read, the model silently using the default."""
+        known = [f.name for f in dataclasses.fields(self) if f.name.startswith("attn_res_")]
+        misspelt = sorted(key for key in vars(self) if key.startswith("attn_res_") and key not in known)
+        if misspelt:
+            suffixes = {name.removeprefix("attn_res_"): name for name in known}   # the shared prefix says nothing
+            guess = difflib.get_close_matches(misspelt[0].removeprefix("attn_res_"), suffixes, 1)
+            raise ValueError(f"AttnResConfig has no field {misspelt[0]!r}; its depth-attention fields are "
+                             f"{', '.join(known)}" + (f" (did you mean {suffixes[guess[0]]!r}?)." if guess else "."))
         if self.attn_res_mode not in ATTN_RES_MODES:
             raise ValueError(
                 f"AttnResConfig.attn_res_mode must be one of {ATTN_RES_MODES}, got {self.attn_res_mode!r}. "

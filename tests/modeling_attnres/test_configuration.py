@@ -3,7 +3,11 @@
 import json
 
 import pytest
-from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
+from huggingface_hub.errors import (
+    StrictDataclassClassValidationError,
+    StrictDataclassError,
+    StrictDataclassFieldValidationError,
+)
 from transformers import AutoConfig
 
 from modeling_attnres import AttnResConfig
@@ -167,8 +171,17 @@ def test_our_own_saved_config_is_not_foreign(tmp_path):
 def test_a_misspelt_depth_field_and_zero_heads_are_refused_by_name(fields, message):
     """A misspelt field would be kept as an attribute nobody reads (the model silently taking the default),
     and zero heads would divide by zero while deriving head_dim."""
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, StrictDataclassError), match=message):
         AttnResConfig(**fields)
+
+
+def test_a_misspelt_depth_field_set_after_construction_is_refused_before_it_is_saved(tmp_path):
+    config = AttnResConfig()
+    config.attn_res_stream_scale = 2
+    with pytest.raises(StrictDataclassError, match=r"no field 'attn_res_stream_scale'; its depth-attention fields are "
+                                         r"attn_res_mode, attn_res_block_size, attn_res_bank_dtype\.$"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
 
 
 def test_a_config_json_that_is_not_an_object_is_named():
