@@ -146,7 +146,7 @@ def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], dict | No
     except Exception as err:  # torch raises several unrelated types for bad pickles and zip archives
         # torch's text spans lines and advises weights_only=False, which would run the file's code: keep the cause.
         lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-        cause = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
+        cause = next((line for line in lines if "WeightsUnpickler error" in line), lines[0]).split(" Please use")[0]
         raise ConversionError(f"Cannot load {path} as a PyTorch state dict ({cause}); the file is corrupt, "
                               "truncated, or not a torch.save of tensors (Python objects other than tensors are "
                               "not loaded, since unpickling them could run code): save model.state_dict(), or "
@@ -206,18 +206,23 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
                               f"{hub_reason(err, revision)}; or download it and pass its folder.") from err
 
 
-def read_config_json(folder: Path) -> dict:
-    """`folder/config.json` as a dict; a file that is not a JSON object is a `ConversionError` naming it."""
-    path = folder / "config.json"
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path` (a config); a file that cannot be read, is not JSON or holds no object is a
+    `ConversionError` naming it."""
     try:
         config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConversionError(f"Cannot read {path} as JSON ({err}); fix the file, or save or convert the "
                               "checkpoint again.") from None
     if not isinstance(config, dict):
         raise ConversionError(f"{path} holds a JSON {type(config).__name__}, not an object of config fields; fix "
                               "the file, or save or convert the checkpoint again.")
     return config
+
+
+def read_config_json(folder: Path) -> dict:
+    """`folder/config.json` as a dict (`read_json_object`)."""
+    return read_json_object(folder / "config.json")
 
 
 def check_attnres_config(config: dict, folder: Path) -> None:
@@ -251,7 +256,6 @@ def path_argument(name: str, kind: type = Path):
             return kind(require_path(value, name))
         except UsageError as err:
             raise argparse.ArgumentTypeError(str(err).removeprefix(f"{name} ")) from None
-    parse.__name__ = name                           # argparse names the type in its messages
     return parse
 
 
@@ -268,10 +272,17 @@ def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DS
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise ConversionError(f"{dst_name} {dst} exists and is not empty; pass --overwrite to replace it, "
                               "or choose another folder.")
-    if dst.is_dir() and any(dst.iterdir()) and not (dst / "config.json").is_file():    # --overwrite, not a model
-        raise ConversionError(f"{dst_name} {dst} holds files that are not a checkpoint (no config.json; "
-                              f"{listing(sorted(p.name for p in dst.iterdir()), limit=3)}), and --overwrite replaces "
-                              "only a checkpoint folder; choose another folder, or empty this one first.")
+    if dst.is_dir() and any(dst.iterdir()) and not holds_checkpoint(dst):                # --overwrite, not a model
+        raise ConversionError(f"{dst_name} {dst} holds files that are not a checkpoint (no config.json beside "
+                              f"weights; {listing(sorted(p.name for p in dst.iterdir()), limit=3)}), and --overwrite "
+                              "replaces only a checkpoint folder; choose another folder, or empty this one first.")
+
+
+def holds_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds a checkpoint (a config.json beside safetensors or .bin weights): the only
+    non-empty folder `--overwrite` replaces, so that a mistyped DST never takes a folder of other files."""
+    weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    return (folder / "config.json").is_file() and weights
 
 
 # Why writing an output failed, by errno, with the fix; anything else keeps its own message.

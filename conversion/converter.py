@@ -8,7 +8,6 @@ after the converted model has loaded and passed its verification; a failed verif
 `VerificationFailed` and leaves nothing at DST, unless `keep_failed` asks to publish it anyway.
 """
 
-import json
 import math
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from .checkpoint_io import (
     copy_side_files,
     load_state_dict_file,
     open_checkpoint,
+    read_json_object,
     require_path,
     resolve_source,
     staged_destination,
@@ -68,13 +68,6 @@ class VerificationFailed(ConversionError):
                "--keep-failed (ConvertOptions(keep_failed=True)) to publish it anyway."))
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConversionError(f"Cannot read {path} as JSON: {err}; fix or replace the file.") from err
-
-
 def output_dtype(source: TensorSource, name: str) -> torch.dtype:
     """The dtype named by --dtype; "auto" is the source embedding's as stored (the one tensor every layout has)."""
     if name == "auto":
@@ -85,7 +78,8 @@ def output_dtype(source: TensorSource, name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-# --stream-scale's range, as a power of two: past it bfloat16 and float16 weights overflow or flush to zero.
+# --stream-scale's range, as a power of two: a sanity bound far past any useful scale (the calibration tries
+# 1 up to the number of depth sources), which keeps absurd values (2^1000 overflowed to NaN weights) out.
 MAX_SCALE_POWER = 16
 
 
@@ -100,9 +94,9 @@ def check_options(src: str, options: ConvertOptions) -> None:
         raise UsageError(f"--stream-scale must be a positive finite number, got {options.stream_scale}.")
     scale_range = (2.0 ** -MAX_SCALE_POWER, 2.0 ** MAX_SCALE_POWER)
     if options.stream_scale is not None and not scale_range[0] <= options.stream_scale <= scale_range[1]:
-        raise UsageError(f"--stream-scale {options.stream_scale:g} is out of range: the scaled weights would overflow "
-                         f"or vanish; use a power of two from 1/{2 ** MAX_SCALE_POWER} to {2 ** MAX_SCALE_POWER} (the "
-                         "calibration tries 1 up to the number of depth sources).")
+        raise UsageError(f"--stream-scale {options.stream_scale:g} is far past any useful scale (the calibration "
+                         "tries 1 up to the number of depth sources, and much larger scales push weights to "
+                         f"overflow); use a power of two from 1/{2 ** MAX_SCALE_POWER} to {2 ** MAX_SCALE_POWER}.")
     if options.stream_scale is not None and math.frexp(options.stream_scale)[0] != 0.5:
         power = 2.0 ** round(math.log2(options.stream_scale))
         raise UsageError(f"--stream-scale must be a power of two, got {options.stream_scale:g}: other scales round "
@@ -153,11 +147,11 @@ def _plan_state_dict_file(path: Path, options: ConvertOptions) -> Plan:
     state_dict, stored_config = load_state_dict_file(path)
     sibling = path.parent / "config.json"
     if options.config_path is not None:
-        config = _read_json(options.config_path)
+        config = read_json_object(options.config_path)
     elif stored_config is not None:                  # the file's own config, over whatever lies beside it
         config = stored_config
     elif sibling.exists():
-        config = _read_json(sibling)
+        config = read_json_object(sibling)
     else:
         raise ConversionError(f"{path} is a bare state dict with no config: pass --config CONFIG.json (Llama "
                               "field names: hidden_size, num_attention_heads, ...) or put config.json next to it.")
@@ -180,7 +174,7 @@ def _plan_standard(folder: Path, options: ConvertOptions, model: torch.nn.Module
     try:
         src_config = AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, OSError) as err:
-        model_type = _read_json(folder / "config.json").get("model_type")
+        model_type = read_json_object(folder / "config.json").get("model_type")
         raise ConversionError(f"Cannot read the config of {folder} (model_type {model_type!r}): {err}. "
                               "Supported: Llama, Qwen2, Qwen3, Mistral and AttnRes checkpoints.") from err
     layout = architecture_of(src_config)
@@ -232,7 +226,7 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
             return _plan_state_dict_file(files[0], options)
         raise ConversionError(f"{src_path} has no config.json: expected a transformers checkpoint folder "
                               "(or a folder holding one .gguf or one state-dict file).")
-    raw = _read_json(config_file)
+    raw = read_json_object(config_file)
     if isinstance(raw.get("quantization_config"), dict):
         method = raw["quantization_config"].get("quant_method", "unnamed")
         raise ConversionError(f"{src_path} is a quantized checkpoint (quantization_config: {method}); the "

@@ -22,6 +22,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 from modeling_attnres import AttnResConfig
+from modeling_attnres.configuration_attnres import is_sparse_layer
 
 from .errors import ConversionError, UsageError
 from .keymap import Fill, Rule, TensorSource
@@ -137,11 +138,12 @@ def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> i
             "layer: AttnRes has no sliding-window layers. Convert a checkpoint with use_sliding_window=false."
         )
     window = getattr(config, "sliding_window", None) if not layer_types else None
-    if (not window or window >= config.max_position_embeddings) and clip_to_window:
-        raise UsageError(f"--clip-to-sliding-window does not apply: this {config.model_type} model has no sliding "
-                         f"window shorter than its max_position_embeddings ({config.max_position_embeddings}; "
-                         f"sliding_window={window}), so it converts exactly as it is; drop the option.")
     if not window or window >= config.max_position_embeddings:       # None, or Qwen2-MoE's 0 for none
+        if clip_to_window:
+            raise UsageError(f"--clip-to-sliding-window does not apply: this {config.model_type} model has no "
+                             f"sliding window shorter than its max_position_embeddings "
+                             f"({config.max_position_embeddings}; sliding_window={window}), so it converts exactly "
+                             "as it is; drop the option.")
         return None
     if clip_to_window:
         return window
@@ -214,9 +216,11 @@ def expert_fields(config: PretrainedConfig, arch: str) -> dict:
         fields.update(moe_intermediate_size=config.intermediate_size, norm_topk_prob=True)
     if not fields.get("num_experts"):
         return {}
-    step, dense = fields.get("decoder_sparse_step", 1), set(fields.get("mlp_only_layers") or ())
-    sparse = [i for i in range(config.num_hidden_layers) if step >= 1 and (i + 1) % step == 0 and i not in dense]
-    return fields if sparse or step < 1 else {}         # a step below 1 is left to AttnResConfig's check
+    step, dense = fields.get("decoder_sparse_step", 1), fields.get("mlp_only_layers") or ()
+    if not isinstance(step, int) or step < 1:                      # left to AttnResConfig's check, which names it
+        return fields
+    sparse = [i for i in range(config.num_hidden_layers) if is_sparse_layer(i, fields["num_experts"], step, dense)]
+    return fields if sparse else {}
 
 
 def standard_rules(config: AttnResConfig, source: TensorSource) -> tuple[Rule, ...]:

@@ -232,8 +232,7 @@ class AttnResConfig(LlamaConfig):
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx`'s MLP is a mixture of experts (the rule of Qwen2/Qwen3-MoE)."""
-        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+        return is_sparse_layer(layer_idx, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
 
     @property
     def sparse_layers(self) -> list[int]:
@@ -337,6 +336,12 @@ def implied_shape(key: str, config: AttnResConfig) -> tuple[int, ...] | None:
                  "up_proj.weight": (inter, d), "down_proj.weight": (d, inter), "_res_proj.weight": (1, d),
                  "mlp.gate.weight": (config.num_experts, d), "shared_expert_gate.weight": (1, d), "norm.weight": (d,)}
     return next((shape for suffix, shape in by_suffix.items() if key.endswith(suffix)), None)
+
+
+def is_sparse_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers) -> bool:
+    """Qwen2/Qwen3-MoE's rule: layer `layer_idx`'s MLP is a mixture of experts when there are experts, the
+    layer is not in `mlp_only_layers` and `layer_idx + 1` is a multiple of `decoder_sparse_step` (>= 1)."""
+    return num_experts > 0 and layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0
 
 
 def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResConfig) -> None:

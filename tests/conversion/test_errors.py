@@ -134,10 +134,14 @@ def test_existing_destination_needs_overwrite_and_overwrite_replaces_only_a_chec
     assert main([str(llama_src), str(dst), "--no-verify"]) == 1
     assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
     assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 1
-    assert ("holds files that are not a checkpoint (no config.json; keep.txt), and --overwrite replaces only a "
-            "checkpoint folder") in capsys.readouterr().err
-    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert ("holds files that are not a checkpoint (no config.json beside weights; keep.txt), and --overwrite "
+            "replaces only a checkpoint folder") in capsys.readouterr().err
+    (dst / "config.json").write_text("{}")                          # an application's config, no weights
+    assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 1
+    assert "holds files that are not a checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "keep.txt"]
     (dst / "keep.txt").unlink()
+    (dst / "config.json").unlink()
     assert main([str(llama_src), str(dst), "--no-verify"]) == 0           # an empty folder needs no --overwrite
     (dst / "stale.txt").write_text("from an earlier run")
     assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 0
@@ -191,8 +195,9 @@ def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
     (["--private"], "--private applies to the Hub repo that --push-to-hub creates"),
     (["--stream-scale", "3"], "--stream-scale must be a power of two, got 3: other scales round every scaled "
                               "weight, and verification would fail; use 4."),
-    (["--stream-scale", "1e301"], "--stream-scale 1e+301 is out of range: the scaled weights would overflow or "
-                                  "vanish; use a power of two from 1/65536 to 65536"),
+    (["--stream-scale", "131072"], "--stream-scale 131072 is far past any useful scale (the calibration tries 1 "
+                                   "up to the number of depth sources"),
+    (["--stream-scale", "1e301"], "use a power of two from 1/65536 to 65536."),
     (["--seed-block-size", "0"], "--seed-block-size must be 1 (Full AttnRes) or an even number of sublayers"),
     (["--seed-block-size", "3"], "(2 per layer: AttnRes blocks hold whole layers), got 3."),
     (["--push-to-hub", "not a repo"], "--push-to-hub 'not a repo' is not a Hub repo id"),
@@ -385,4 +390,5 @@ def test_an_unloadable_state_dict_file_is_one_line_without_torchs_advice(tmp_pat
     assert len(lines) == 1 and lines[0].startswith(f"attnres-convert: error: Cannot load {path} as a PyTorch state "
                                                    "dict ("), lines
     assert "save model.state_dict()" in lines[0] and "weights_only=False" not in lines[0]
+    assert "add_safe_globals" not in lines[0]                      # torch's advice to trust the file's classes
     assert_nothing_written(tmp_path, "dst")
