@@ -144,7 +144,7 @@ def load_state_dict_file(path: Path) -> tuple[dict[str, torch.Tensor], dict | No
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several unrelated types for bad pickles and zip archives
-        # torch's text spans lines and advises weights_only=False, which would run the file's code: keep the cause.
+        # torch's text spans lines and advises loading unsafely, which would run the file's code: keep the cause.
         lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
         cause = next((line for line in lines if "WeightsUnpickler error" in line), lines[0]).split(" Please use")[0]
         raise ConversionError(f"Cannot load {path} as a PyTorch state dict ({cause}); the file is corrupt, "
@@ -220,11 +220,6 @@ def read_json_object(path: Path) -> dict:
     return config
 
 
-def read_config_json(folder: Path) -> dict:
-    """`folder/config.json` as a dict (`read_json_object`)."""
-    return read_json_object(folder / "config.json")
-
-
 def check_attnres_config(config: dict, folder: Path) -> None:
     """Refuse an AttnRes config.json whose values `AttnResConfig` refuses, in one line (before any work that
     would otherwise publish or train a checkpoint nobody can load)."""
@@ -269,10 +264,11 @@ def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DS
         raise ConversionError(f"{dst_name} {dst} exists and is not a folder; choose a folder path.")
     if next((p for p in dst.parents if p.exists()), dst.parent).is_file():
         raise ConversionError(f"{dst_name} {dst} is inside a file, not a folder; choose a folder path.")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+    filled = dst.is_dir() and any(dst.iterdir())
+    if filled and not overwrite:
         raise ConversionError(f"{dst_name} {dst} exists and is not empty; pass --overwrite to replace it, "
                               "or choose another folder.")
-    if dst.is_dir() and any(dst.iterdir()) and not holds_checkpoint(dst):                # --overwrite, not a model
+    if filled and not holds_checkpoint(dst):                                             # --overwrite, not a model
         raise ConversionError(f"{dst_name} {dst} holds files that are not a checkpoint (no config.json beside "
                               f"weights; {listing(sorted(p.name for p in dst.iterdir()), limit=3)}), and --overwrite "
                               "replaces only a checkpoint folder; choose another folder, or empty this one first.")

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "1 for float16 output or eps 0; 1 keeps the weights identical)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="output dtype (default: the source's)")
     p.add_argument("--overwrite", action="store_true", help="replace a DST that holds a checkpoint "
-                   "(a non-empty folder without a config.json is refused)")
+                   "(a non-empty folder without a config.json beside weights is refused)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip running both models")
     p.add_argument("--keep-failed", action="store_true", help="publish DST even if the verification fails "
                    "(by default a failed verification leaves nothing at DST and exits with status 1)")

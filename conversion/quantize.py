@@ -45,7 +45,7 @@ from .checkpoint_io import (
     copy_side_files,
     open_checkpoint,
     path_argument,
-    read_config_json,
+    read_json_object,
     require_path,
     staged_destination,
 )
@@ -110,7 +110,7 @@ def read_config(src: Path) -> dict:
     if not path.is_file():
         raise ConversionError(f"No config.json in {src}; SRC must be an AttnRes checkpoint folder "
                               "(convert other models with attnres-convert first).")
-    config = read_config_json(src)
+    config = read_json_object(src / "config.json")
     if "AttnResForCausalLM" not in (config.get("architectures") or []):
         raise ConversionError(f"{path} has architectures={config.get('architectures')}, expected "
                               "['AttnResForCausalLM']; convert the model with attnres-convert first.")

@@ -45,7 +45,7 @@ from .checkpoint_io import (
     check_attnres_config,
     check_destination,
     path_argument,
-    read_config_json,
+    read_json_object,
     write_failures_named,
 )
 from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
@@ -171,7 +171,7 @@ def check_attnres(path: Path) -> dict:
     if not config_file.is_file():
         raise RetrofitError(f"{path} is not a checkpoint folder (no config.json); pass a folder written by "
                             "attnres-convert or save_pretrained")
-    config = read_config_json(path)
+    config = read_json_object(path / "config.json")
     if config.get("model_type") != "attnres":
         raise RetrofitError(f"{path} holds a {config.get('model_type')!r} model, not an AttnRes one; "
                             f"convert it first: attnres-convert {path} {path}-attnres")
