@@ -222,11 +222,18 @@ static void read_as(const at::Tensor& x, acc_t* out, bool multiply) {
   });
 }
 
-// Shared checks: CPU tensors; `storage [N, C, d]` contiguous in the accumulation dtype `acc` (float32 or
-// float64), or bfloat16/float16 with float32; `inv_storage [N, C]` in `acc`; rows [0, rows) inside C.
+// Shared checks: CPU tensors; `storage [*tokens, C, d]` contiguous in the accumulation dtype `acc` (float32
+// or float64), or bfloat16/float16 with float32; `inv_storage [*tokens, C]` in `acc`; rows [0, rows) inside C.
+// The token shape is compared, not only the count: a bank of [3, 2] tokens read for a [2, 3] partial would
+// mix each token with another token's sources.
 static void check_bank(const char* name, const at::Tensor& storage, const at::Tensor& inv_storage, int64_t rows,
-                       at::ScalarType acc, int64_t N, int64_t d) {
+                       at::ScalarType acc, const at::Tensor& partial) {
   const int64_t C = storage.dim() >= 2 ? storage.size(-2) : -1;
+  const auto tokens = partial.sizes().slice(0, std::max<int64_t>(partial.dim() - 1, 0));
+  const int64_t d = partial.size(-1);
+  const bool shaped = storage.dim() == partial.dim() + 1 && inv_storage.dim() == partial.dim() &&
+                      storage.sizes().slice(0, tokens.size()) == tokens && storage.size(-1) == d &&
+                      inv_storage.sizes().slice(0, tokens.size()) == tokens && inv_storage.size(-1) == C;
   TORCH_CHECK(storage.device().is_cpu() && inv_storage.device().is_cpu(), name, ": CPU tensors expected");
   TORCH_CHECK((acc == at::kFloat || acc == at::kDouble) && inv_storage.scalar_type() == acc, name,
               ": the partial and inv_rms must be float32 or float64, got ", acc, " and ", inv_storage.scalar_type());
@@ -234,9 +241,9 @@ static void check_bank(const char* name, const at::Tensor& storage, const at::Te
               storage.scalar_type() == at::kHalf)), name, ": a ", storage.scalar_type(), " bank with a ", acc,
               " partial (expected the same dtype, or a bfloat16/float16 bank with a float32 partial)");
   TORCH_CHECK(storage.is_contiguous() && inv_storage.is_contiguous(), name, ": the bank must be contiguous");
-  TORCH_CHECK(0 <= rows && rows <= C && storage.numel() == N * C * d && inv_storage.numel() == N * C, name,
-              ": bank ", storage.sizes(), " / ", inv_storage.sizes(), " with ", rows, " rows does not match partial [",
-              N, " tokens, ", d, "]");
+  TORCH_CHECK(0 <= rows && rows <= C && shaped, name, ": bank ", storage.sizes(), " / ", inv_storage.sizes(),
+              " with ", rows, " rows does not match partial ", partial.sizes(),
+              " (expected [*tokens, C, d] / [*tokens, C])");
 }
 
 // A sublayer boundary (`depth_attention.site_boundary`) for every token: p = partial + output (either may
@@ -263,7 +270,7 @@ std::vector<at::Tensor> site_boundary(at::Tensor& storage, at::Tensor& inv_stora
   const int64_t d = ref.size(-1), N = ref.numel() / std::max<int64_t>(d, 1);
   const auto acc = partial.has_value() ? partial->scalar_type() : (ref.scalar_type() == at::kDouble ? at::kDouble
                                                                                                       : at::kFloat);
-  check_bank("site_boundary", storage, inv_storage, n + (closes_block ? 1 : 0), acc, N, d);
+  check_bank("site_boundary", storage, inv_storage, n + (closes_block ? 1 : 0), acc, ref);
   const int64_t C = storage.size(-2);
   TORCH_CHECK(!partial.has_value() || !output.has_value() || partial->sizes() == output->sizes(),
               "site_boundary: partial ", partial->sizes(), " and output ", ref.sizes(), " differ");
@@ -442,7 +449,7 @@ std::vector<at::Tensor> mix_site(at::Tensor& storage, at::Tensor& inv_storage, i
 void push_source(at::Tensor& storage, at::Tensor& inv_storage, int64_t n, const at::Tensor& partial, double eps) {
   const int64_t d = partial.size(-1), N = partial.numel() / std::max<int64_t>(d, 1);
   TORCH_CHECK(partial.device().is_cpu(), "push_source: CPU tensors expected");
-  check_bank("push_source", storage, inv_storage, n + 1, partial.scalar_type(), N, d);
+  check_bank("push_source", storage, inv_storage, n + 1, partial.scalar_type(), partial);
   const int64_t C = storage.size(-2);
   auto p = partial.contiguous();
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "push_source_acc", [&] {

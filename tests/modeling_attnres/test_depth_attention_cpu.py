@@ -143,6 +143,24 @@ def test_mismatched_shapes_are_refused():
         cpu.fused_mix_site(bank, partial, query, EPS, torch.float32, gain=torch.ones(1))
 
 
+def test_a_bank_of_other_tokens_with_the_same_count_is_refused():
+    """A bank built for [3, 2] tokens read with a [2, 3] partial would mix each token with another token's
+    sources: every entry point compares the token shape, not only the element count."""
+    bank, partial, query, _ = case(2, (3, 2), 16, dtype=torch.float32, room=1)
+    other = partial.reshape(2, 3, 16)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"does not match partial \[2, 3, 16\]"):
+            cpu.fused_mix_site(bank, other, query, EPS, torch.float32)
+        with pytest.raises(RuntimeError, match="does not match partial"):
+            cpu.fused_site_boundary(bank, other, other.clone(), query, EPS, True, torch.ones(16), EPS, torch.float32)
+        with pytest.raises(RuntimeError, match="does not match partial"):
+            cpu.fused_push_source(bank, other, EPS)
+        with pytest.raises(RuntimeError, match="does not match partial"):   # a flattened partial as well
+            cpu.fused_mix_site(bank, partial.reshape(6, 16), query, EPS, torch.float32)
+        mixed, _ = cpu.fused_mix_site(bank, partial, query, EPS, torch.float32)   # the matching shape runs
+    assert mixed.shape == partial.shape
+
+
 def test_non_contiguous_partial_and_large_scores():
     bank, partial, query, oracle = case(4, (6, 2), 32, dtype=torch.float32, seed=2)
     strided = partial.transpose(0, 1).contiguous().transpose(0, 1)
