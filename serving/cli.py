@@ -45,6 +45,7 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
 
 import contextlib
 import errno
+import functools
 import importlib.metadata
 import io
 import json
@@ -235,8 +236,10 @@ def take_model(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
+@functools.cache
 def serve_parser():
-    """vLLM's own `vllm serve` argument parser. Imports vLLM's CLI, which the server imports next anyway."""
+    """vLLM's own `vllm serve` argument parser, built once per process (about a second: it imports vLLM's CLI,
+    which the server imports next anyway); reading arguments or a config file leaves it unchanged."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -253,8 +256,7 @@ def expand_config_file(args: list[str]) -> list[str]:
         return args
     if len(paths) > 1:
         raise UsageError(f"--config is given {len(paths)} times; pass one YAML file of options")
-    i = next(i for i, a in enumerate(args) if a == "--config" or a.startswith("--config="))
-    rest = args[:i] + args[i + (2 if args[i] == "--config" else 1):]
+    rest = without_option(args, "--config")
     try:
         options = serve_parser().load_config_file(paths[0])
     except Exception as err:            # vLLM raises what open() and yaml raise, and ValueError for the suffix
