@@ -228,12 +228,11 @@ static void read_as(const at::Tensor& x, acc_t* out, bool multiply) {
 // mix each token with another token's sources.
 static void check_bank(const char* name, const at::Tensor& storage, const at::Tensor& inv_storage, int64_t rows,
                        at::ScalarType acc, const at::Tensor& partial) {
-  const int64_t C = storage.dim() >= 2 ? storage.size(-2) : -1;
-  const auto tokens = partial.sizes().slice(0, std::max<int64_t>(partial.dim() - 1, 0));
-  const int64_t d = partial.size(-1);
-  const bool shaped = storage.dim() == partial.dim() + 1 && inv_storage.dim() == partial.dim() &&
-                      storage.sizes().slice(0, tokens.size()) == tokens && storage.size(-1) == d &&
-                      inv_storage.sizes().slice(0, tokens.size()) == tokens && inv_storage.size(-1) == C;
+  const auto ps = partial.sizes(), ss = storage.sizes(), is = inv_storage.sizes();
+  const size_t k = ps.size() - 1;                                   // token dims (a decoding call: ~2 ns each)
+  const int64_t C = ss.size() >= 2 ? ss[ss.size() - 2] : -1;
+  bool shaped = ss.size() == k + 2 && is.size() == k + 1 && ss[k + 1] == ps[k] && is[k] == C;
+  for (size_t i = 0; shaped && i < k; ++i) shaped = ss[i] == ps[i] && is[i] == ps[i];
   TORCH_CHECK(storage.device().is_cpu() && inv_storage.device().is_cpu(), name, ": CPU tensors expected");
   TORCH_CHECK((acc == at::kFloat || acc == at::kDouble) && inv_storage.scalar_type() == acc, name,
               ": the partial and inv_rms must be float32 or float64, got ", acc, " and ", inv_storage.scalar_type());
