@@ -16,9 +16,10 @@ then hands over to vLLM's CLI unchanged. Defaults added only when the option is 
   forever for that connection to close; with a grace period it drains and exits 0;
 - on CPU builds, `--kv-cache-memory-bytes 1G` unless `VLLM_CPU_KVCACHE_SPACE` is set (vLLM's own
   sizing reads the machine's memory and can fail at start-up);
-- for the default model on CPU builds, `--compilation-config DEFAULT_COMPILATION` unless a compilation
-  option or `--enforce-eager` is given: Dynamo traces the model once and its graph runs without
-  Inductor, whose C++ compilation of a 30-layer model takes many minutes on 2 cores (see the README);
+- for the built-in models on CPU builds (the default, and any `builtin:` name given, on the command line
+  or in `--config`), `--compilation-config DEFAULT_COMPILATION` unless a compilation option or
+  `--enforce-eager` is given: Dynamo traces the model once and its graph runs without Inductor, whose C++
+  compilation of the 30-layer default takes many minutes on 2 cores (see the README);
 - with any compilation on a CPU build, `ATTNRES_CPU_KERNEL=compiled` unless the variable is set: each
   depth-attention boundary is one call of the C++ op in the graphs, where a graph run without Inductor
   would do ~20 separate tensor operations and Inductor's own code for it measured slower
@@ -174,11 +175,11 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
     if model == "serve" and not os.path.exists(model):
         raise UsageError(f"'serve' was read as the model: attnres-serve is `vllm serve` already; run "
                          f"`attnres-serve {' '.join(args) or 'MODEL'}`")
-    implied = model is None
-    if implied:
+    if model is None:
         path, name = resolve_default()                 # without a registry: one line, then the fallback
     else:
         path, name = resolve_model(model), served_name(model)
+    builtin = model is None or model in BUILTIN_MODELS    # `builtin:smollm2-135m-attnres` is the default named
     extra = []
     if name and not has_option(args, "--served-model-name"):
         extra += ["--served-model-name", name]
@@ -190,7 +191,7 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
         extra += ["--kv-cache-memory-bytes", CPU_KV_CACHE_BYTES]
     if needs_pipeline_worker(args, cpu, vllm_version):
         extra += ["--worker-cls", PIPELINE_WORKER]
-    if cpu and implied and not compile_option_given(args):
+    if cpu and builtin and not compile_option_given(args):
         extra += ["--compilation-config", DEFAULT_COMPILATION]
     if MIDDLEWARE not in option_values(args, "--middleware"):
         extra += ["--middleware", MIDDLEWARE]

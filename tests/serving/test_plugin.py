@@ -17,7 +17,14 @@ import pytest
 from attnres.conversion.errors import UsageError
 from attnres.models import shipped_model_path
 from attnres.serving import cli
-from attnres.serving.defaults import RANDOM_MODEL, RANDOM_SERVED_NAME, SHIPPED_MODEL, SHIPPED_SERVED_NAME
+from attnres.serving.defaults import (
+    DEFAULT_MODEL,
+    DEFAULT_SERVED_NAME,
+    RANDOM_MODEL,
+    RANDOM_SERVED_NAME,
+    SHIPPED_MODEL,
+    SHIPPED_SERVED_NAME,
+)
 
 SERVING_DIR = Path(__file__).resolve().parents[2] / "serving"
 
@@ -151,7 +158,8 @@ def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
     argv = cli.serve_argv([SHIPPED_MODEL, "--port", "9000"], cpu=True, env={})
     assert argv[:2] == ["serve", str(shipped_model_path())] and (shipped_model_path() / "model.safetensors").exists()
     assert argv[2:] == ["--port", "9000", "--served-model-name", SHIPPED_SERVED_NAME, "--host", "127.0.0.1",
-                        *GRACE, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES, *ALWAYS]
+                        *GRACE, "--kv-cache-memory-bytes", cli.CPU_KV_CACHE_BYTES,
+                        "--compilation-config", cli.DEFAULT_COMPILATION, *ALWAYS]
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
     argv = cli.serve_argv([RANDOM_MODEL], cpu=False, env={})
     assert argv[0] == "serve" and Path(argv[1], "config.json").exists()
@@ -227,6 +235,26 @@ def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_
         assert "--compilation-config" not in argv
     with pytest.raises(UsageError, match=r"--config '.*notes.txt' cannot be read as vLLM's YAML of options"):
         cli.serve_argv(["--config", str(tmp_path / "notes.txt")], cpu=False, env={})
+
+
+def test_the_default_model_named_gets_what_the_default_gets(tmp_path, monkeypatch):
+    """`attnres-serve builtin:smollm2-135m-attnres` (or `--model`, or `model:` in `--config`) is `attnres-serve`:
+    the same command line, the default compilation and the environment included, where a folder gets none."""
+    monkeypatch.setattr(cli, "resolve_default", lambda: ("/cache/default", DEFAULT_SERVED_NAME))
+    monkeypatch.setattr(cli, "resolve_model", lambda name: "/cache/default" if name == DEFAULT_MODEL else name)
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {DEFAULT_MODEL}\n")
+    implied = cli.serve_argv(["--port", "9"], cpu=True, env={})
+    assert "--compilation-config" in implied
+    for named in ([DEFAULT_MODEL, "--port", "9"], ["--port", "9", "--model", DEFAULT_MODEL],
+                  ["--config", str(config), "--port", "9"]):
+        argv = cli.serve_argv(named, cpu=True, env={})
+        assert argv == implied, named
+        assert cli.server_environment(argv, cpu=True, env={}) == {"ATTNRES_CPU_KERNEL": "compiled",
+                                                                   "VLLM_USE_AOT_COMPILE": "0"}
+    folder = cli.serve_argv(["/my/checkpoint", "--port", "9"], cpu=True, env={})
+    assert "--compilation-config" not in folder and "VLLM_USE_AOT_COMPILE" not in cli.server_environment(
+        folder, cpu=True, env={})
 
 
 @pytest.mark.parametrize("option", [["--optimization-level", "0"], ["-cc.mode=0"], ["-cc.backend=inductor"]])
