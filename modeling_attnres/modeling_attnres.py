@@ -64,6 +64,7 @@ from .configuration_attnres import (
     AUTO_MAP,
     SEED_SITE_ALIASES,
     AttnResConfig,
+    CheckpointMismatchError,
     check_local_folder,
     describe_mismatched_shapes,
 )
@@ -330,7 +331,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
             *args, key_mapping={**SEED_KEY_ALIASES, **(key_mapping or {})}, ignore_mismatched_sizes=True,
             output_loading_info=True, **kwargs)
         if info["mismatched_keys"] and not ignore_mismatched_sizes:
-            raise ValueError(describe_mismatched_shapes(info["mismatched_keys"], model.config))
+            raise CheckpointMismatchError(describe_mismatched_shapes(info["mismatched_keys"], model.config))
         # transformers reverses load-time renamings on save; the aliases must not be reversed.
         aliases = [[pattern] for pattern in SEED_KEY_ALIASES]
         conversions = getattr(model, "_weight_conversions", None) or []

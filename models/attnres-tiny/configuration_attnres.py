@@ -50,6 +50,11 @@ class ForeignCheckpointError(ValueError):
     """A config.json that says `model_type: "attnres"` but was written by other AttnRes code."""
 
 
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """A checkpoint whose tensors disagree with the config it is loaded with: a `ValueError` (a bad input), and
+    a `RuntimeError` as transformers' own size-mismatch error is, so code written for either catches it."""
+
+
 class DepthSite(NamedTuple):
     """One depth-attention site of the schedule (see `AttnResConfig.depth_sites`)."""
 
@@ -361,12 +366,13 @@ def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResCo
                              "download or copy it again.") from None
     layers = {int(m.group(1)) for key in shapes if (m := re.match(r"model\.layers\.(\d+)\.", key))}
     if layers and max(layers) + 1 != config.num_hidden_layers:
-        raise ValueError(f"The checkpoint in {folder} has {max(layers) + 1} layers but its config.json says "
-                         f"num_hidden_layers={config.num_hidden_layers}; fix config.json to describe these weights.")
+        raise CheckpointMismatchError(
+            f"The checkpoint in {folder} has {max(layers) + 1} layers but its config.json says "
+            f"num_hidden_layers={config.num_hidden_layers}; fix config.json to describe these weights.")
     mismatched = {(key, shape, implied) for key, shape in shapes.items()
                   if (implied := implied_shape(key, config)) is not None and tuple(shape) != implied}
     if mismatched:
-        raise ValueError(describe_mismatched_shapes(mismatched, config))
+        raise CheckpointMismatchError(describe_mismatched_shapes(mismatched, config))
 
 
 def check_local_folder(folder: str, given_config: AttnResConfig | None) -> None:
@@ -446,5 +452,5 @@ def check_not_foreign(config_dict: dict) -> None:
         "package names attn_res_mode and attn_res_block_size; add them.")
 
 
-__all__ = ["AUTO_MAP", "SEED_SITE_ALIASES", "AttnResConfig", "DepthSite", "ForeignCheckpointError",
-           "check_checkpoint_against_config", "check_local_folder", "is_depth_parameter"]
+__all__ = ["AUTO_MAP", "SEED_SITE_ALIASES", "AttnResConfig", "CheckpointMismatchError", "DepthSite",
+           "ForeignCheckpointError", "check_checkpoint_against_config", "check_local_folder", "is_depth_parameter"]

@@ -351,6 +351,27 @@ def test_config_that_disagrees_with_weights_fails_at_load_naming_the_tensor(tmp_
     assert loaded.model.layers[0].mlp.gate_proj.weight.shape == (48, 32)
 
 
+def test_a_size_mismatch_raises_what_llamas_raises_too(tmp_path):
+    """Code written for transformers catches Llama's size mismatch as a RuntimeError: AttnRes's more precise
+    error is one too (and a ValueError), from the folder check and from the check after loading alike."""
+    llama = LlamaForCausalLM(LlamaConfig(**{k: getattr(tiny_config(), k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads")}))
+    llama.save_pretrained(tmp_path / "llama")
+    tiny_model(seed=2).save_pretrained(tmp_path / "attnres")
+    with pytest.raises(RuntimeError) as llamas:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "llama", intermediate_size=48)
+    with pytest.raises(type(llamas.value)) as err:                      # found after loading
+        AutoModelForCausalLM.from_pretrained(tmp_path / "attnres", intermediate_size=48)
+    assert isinstance(err.value, ValueError) and "config implies (48, 32)" in str(err.value)
+    config = json.loads((tmp_path / "attnres" / "config.json").read_text())
+    for wrong, message in (({"intermediate_size": 48}, "config implies"),   # found in the folder, before
+                           ({"num_hidden_layers": 3}, "layers but its config.json says num_hidden_layers=3")):
+        (tmp_path / "attnres" / "config.json").write_text(json.dumps({**config, **wrong}))
+        with pytest.raises(RuntimeError, match=message):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "attnres")
+
+
 def test_resize_token_embeddings_keeps_tied_head():
     model = tiny_model(seed=12, tie_word_embeddings=True)
     model.resize_token_embeddings(120)
