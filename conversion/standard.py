@@ -125,19 +125,21 @@ def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> i
     """Reject sliding-window attention, which AttnRes (full causal attention) cannot carry.
 
     A config without `layer_types` that sets `sliding_window` slides on every layer (Mistral, Mixtral, and
-    Qwen3-MoE with `use_sliding_window`, whose config keeps the window only then). Such a window equals full
-    attention for sequences up to the window, so `clip_to_window` converts it with
-    `max_position_embeddings` cut to the window. Returns the new limit, if any.
+    Qwen3-MoE with `use_sliding_window`, whose config keeps the window only then); one with `layer_types`
+    slides on its `sliding_attention` layers (Qwen2 and Qwen2-MoE with `use_sliding_window`, from layer
+    `max_window_layers` on). A window at least `max_position_embeddings` long is full attention. A shorter
+    one equals full attention for sequences up to the window, on every layer that has it, so
+    `clip_to_window` converts it with `max_position_embeddings` cut to the window. Returns the new limit,
+    if any.
     """
     layer_types = getattr(config, "layer_types", None) or []
-    sliding_layers = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-    if sliding_layers:
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if other:
         raise ConversionError(
-            f"Layers {sliding_layers} use {layer_types[sliding_layers[0]]!r} attention "
-            f"(sliding_window={getattr(config, 'sliding_window', None)}), expected full attention on every "
-            "layer: AttnRes has no sliding-window layers. Convert a checkpoint with use_sliding_window=false."
-        )
-    window = getattr(config, "sliding_window", None) if not layer_types else None
+            f"Layers {[i for i, t in enumerate(layer_types) if t in other]} use {other[0]!r} attention, expected "
+            "full or sliding-window attention: AttnRes uses full causal attention on every layer.")
+    slides = not layer_types or "sliding_attention" in layer_types
+    window = getattr(config, "sliding_window", None) if slides else None
     if not window or window >= config.max_position_embeddings:       # None, or Qwen2-MoE's 0 for none
         if clip_to_window:
             raise UsageError(f"--clip-to-sliding-window does not apply: this {config.model_type} model has no "

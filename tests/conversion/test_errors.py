@@ -47,19 +47,41 @@ def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path, cap
     assert_nothing_written(tmp_path)
 
 
-def test_sliding_window_layers_are_refused(tmp_path):
-    model = source_model("qwen2_tied", use_sliding_window=True, sliding_window=8, max_window_layers=2)
-    refuse(tmp_path, save_source(model, tmp_path / "src"), r"Layers \[2, 3\] use 'sliding_attention'.*sliding_window=8")
+QWEN2_SLIDING = {"use_sliding_window": True, "max_window_layers": 2}     # layers 2 and 3 slide (layer_types)
 
 
-@pytest.mark.parametrize("name, window", [("mistral", {}), ("qwen3_moe", {"use_sliding_window": True})])
-def test_a_window_on_every_layer_needs_the_clip_flag_and_converts_within_it(tmp_path, name, window):
+@pytest.mark.parametrize("name, window", [("mistral", {}), ("qwen3_moe", {"use_sliding_window": True}),
+                                          ("qwen2_tied", QWEN2_SLIDING),
+                                          ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 4})])
+def test_a_window_needs_the_clip_flag_and_converts_within_it(tmp_path, name, window):
     """Mistral's window, and Qwen3-MoE's with use_sliding_window (its config has no layer_types), slide on
-    every layer; clipped, the verification stays inside the window, where the two models are equal."""
-    src = save_source(source_model(name, sliding_window=16, **window), tmp_path / "src", tokenizer=True)
+    every layer; Qwen2's and Qwen2-MoE's on some layers (layer_types: 2 and 3; 0 and 2). Clipped to the window,
+    the converted model computes what the source does up to the window, where the two are equal."""
+    source = source_model(name, sliding_window=16, **window)
+    if "max_window_layers" in window:
+        assert "sliding_attention" in source.config.layer_types and "full_attention" in source.config.layer_types
+    src = save_source(source, tmp_path / "src", tokenizer=True)
     refuse(tmp_path, src, r"sliding_window=16 is smaller than max_position_embeddings=128.*--clip-to-sliding-window")
     result = convert(src, tmp_path / "dst", ConvertOptions(clip_to_window=True))
     assert result.config.max_position_embeddings == 16 and result.verification.passed
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = token_ids(length=16)
+        assert rel_diff(converted(ids).logits, source(ids).logits) < 1e-5
+        longer = token_ids(length=40)                                  # past the window the source slides
+        assert rel_diff(converted(longer).logits, source(longer).logits) > 1e-3
+
+
+def test_a_window_as_long_as_the_positions_is_full_attention_and_converts_without_the_flag(tmp_path):
+    source = source_model("qwen2_tied", sliding_window=128, **QWEN2_SLIDING)
+    result = convert(save_source(source, tmp_path / "src", tokenizer=True), tmp_path / "dst", ConvertOptions())
+    assert result.config.max_position_embeddings == 128 and result.verification.passed
+
+
+def test_an_attention_kind_other_than_full_or_sliding_is_refused(tmp_path):
+    src = save_source(source_model("qwen2_tied", **QWEN2_SLIDING), tmp_path / "src")
+    edit_config(src, layer_types=["full_attention", "chunked_attention", "sliding_attention", "sliding_attention"])
+    refuse(tmp_path, src, r"Layers \[1\] use 'chunked_attention' attention, expected full or sliding-window")
 
 
 def test_clipping_keeps_the_rope_factor_longrope_derives_from_the_positions(tmp_path):
