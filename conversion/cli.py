@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-failed", action="store_true", help="publish DST even if the verification fails "
                    "(by default a failed verification leaves nothing at DST and exits with status 1)")
     p.add_argument("--clip-to-sliding-window", dest="clip_to_window", action="store_true",
-                   help="convert a sliding-window model (Mistral, Mixtral, Qwen2, Qwen2/3-MoE) with "
+                   help="convert a sliding-window model (Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE) with "
                         "max_position_embeddings cut to the window")
     p.add_argument("--seed-block-size", type=int, help="block size of a seed-layout checkpoint, in sublayers")
     p.add_argument("--config", dest="config_path", type=Path, help="config.json for a bare state-dict file")

@@ -121,13 +121,19 @@ def architecture_of(config: PretrainedConfig) -> str:
     return arch
 
 
+# The supported families whose attention slides on every layer when the config has a window (their
+# modeling code reads `sliding_window` alone; a `layer_types` in their config is only checked and logged).
+# A Mistral config with `layer_types` loads as `ministral`, whose layers follow them, as the check does.
+EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe")
+
+
 def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> int | None:
     """Reject sliding-window attention, which AttnRes (full causal attention) cannot carry.
 
-    A config without `layer_types` that sets `sliding_window` slides on every layer (Mistral, Mixtral, and
-    Qwen3-MoE with `use_sliding_window`, whose config keeps the window only then); one with `layer_types`
-    slides on its `sliding_attention` layers (Qwen2 and Qwen2-MoE with `use_sliding_window`, from layer
-    `max_window_layers` on). A window at least `max_position_embeddings` long is full attention. A shorter
+    Mistral, Mixtral and Qwen3-MoE slide on every layer whenever the config keeps a `sliding_window` (Qwen3-MoE
+    only with `use_sliding_window`), whatever `layer_types` says: their modeling code never reads it. Qwen2,
+    Qwen3 and Qwen2-MoE slide on their `sliding_attention` layers (with `use_sliding_window`; which ones
+    follows `max_window_layers`). A window at least `max_position_embeddings` long is full attention. A shorter
     one equals full attention for sequences up to the window, on every layer that has it, so
     `clip_to_window` converts it with `max_position_embeddings` cut to the window. Returns the new limit,
     if any.
@@ -138,7 +144,7 @@ def _check_attention_window(config: PretrainedConfig, clip_to_window: bool) -> i
         raise ConversionError(
             f"Layers {[i for i, t in enumerate(layer_types) if t in other]} use {other[0]!r} attention, expected "
             "full or sliding-window attention: AttnRes uses full causal attention on every layer.")
-    slides = not layer_types or "sliding_attention" in layer_types
+    slides = config.model_type in EVERY_LAYER_SLIDES or not layer_types or "sliding_attention" in layer_types
     window = getattr(config, "sliding_window", None) if slides else None
     if not window or window >= config.max_position_embeddings:       # None, or Qwen2-MoE's 0 for none
         if clip_to_window:

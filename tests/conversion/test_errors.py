@@ -51,12 +51,14 @@ QWEN2_SLIDING = {"use_sliding_window": True, "max_window_layers": 2}     # layer
 
 
 @pytest.mark.parametrize("name, window", [("mistral", {}), ("qwen3_moe", {"use_sliding_window": True}),
+                                          ("mixtral", {"layer_types": ["full_attention"] * 4}),   # never read
                                           ("qwen2_tied", QWEN2_SLIDING),
                                           ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 4})])
 def test_a_window_needs_the_clip_flag_and_converts_within_it(tmp_path, name, window):
-    """Mistral's window, and Qwen3-MoE's with use_sliding_window (its config has no layer_types), slide on
-    every layer; Qwen2's and Qwen2-MoE's on some layers (layer_types: 2 and 3; 0 and 2). Clipped to the window,
-    the converted model computes what the source does up to the window, where the two are equal."""
+    """Mistral's and Mixtral's window, and Qwen3-MoE's with use_sliding_window, slide on every layer
+    (Mixtral's and Qwen3-MoE's modeling code reads no layer_types, even where a config has them); Qwen2's and
+    Qwen2-MoE's on some layers (layer_types: 2 and 3; 0 and 2). Clipped to the window, the converted model
+    computes what the source does up to the window, where the two are equal."""
     source = source_model(name, sliding_window=16, **window)
     if "max_window_layers" in window:
         assert "sliding_attention" in source.config.layer_types and "full_attention" in source.config.layer_types
