@@ -254,6 +254,8 @@ def expand_config_file(args: list[str]) -> list[str]:
     is the model."""
     paths = option_values(args, "--config")
     if not paths:
+        if has_option(args, "--config"):                    # last, with no value: vLLM's own check raises
+            raise UsageError("--config needs a value: a .yaml file of vLLM's options")
         return args
     if len(paths) > 1:
         raise UsageError(f"--config is given {len(paths)} times; pass one YAML file of options")

@@ -235,6 +235,8 @@ def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_
         assert "--compilation-config" not in argv
     with pytest.raises(UsageError, match=r"--config '.*notes.txt' cannot be read as vLLM's YAML of options"):
         cli.serve_argv(["--config", str(tmp_path / "notes.txt")], cpu=False, env={})
+    with pytest.raises(UsageError, match=r"--config needs a value: a \.yaml file"):
+        cli.serve_argv(["--port", "9", "--config"], cpu=False, env={})
 
 
 def test_the_default_model_named_gets_what_the_default_gets(tmp_path, monkeypatch):
