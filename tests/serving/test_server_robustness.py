@@ -44,11 +44,13 @@ MULTIBYTE_PROMPT = "Grüße aus Köln — naïve café, 你好 🙂"
 # Characters of 2, 3 and 4 UTF-8 bytes: structured output forces them, so the model emits byte tokens.
 MULTIBYTE_REGEX = "[äöüß€你好🙂]{6}"
 # The soak: warm-up rounds (first-use allocations), then measured rounds whose RSS slope (least squares,
-# MiB per round of 64 requests) must stay under SOAK_SLOPE. vLLM's own Llama of the same size, served the
-# same way, grows by 3-6 MiB a round, decelerating, and so does AttnRes (docs/performance.md, the soak);
-# a leak of one request's depth bank or activations (~100 kB+) per request would add 6 MiB or more.
-SOAK_CLIENTS, SOAK_WARMUP, SOAK_ROUNDS, SOAK_TOKENS = 64, 3, 12, 16
-SOAK_SLOPE = 8.0
+# MiB per round of 64 requests) must stay within SOAK_MARGIN of the slope of the control: vLLM's own Llama
+# of the same sizes, served the same way, in the same test. The engine itself grows by 3-7 MiB a round,
+# by a rate that moved between machines and days (docs/performance.md, the soak), so a fixed bound failed on
+# the engine's growth alone; a leak of one request's depth bank or activations (~100 kB+) per request, or
+# of one step's bank, would add 6 MiB a round or more.
+SOAK_CLIENTS, SOAK_WARMUP, SOAK_ROUNDS, SOAK_TOKENS = 64, 3, 20, 16
+SOAK_MARGIN = 4.0
 # The first test that uses the server also pays for its start (a cold compile: minutes on a loaded machine).
 pytestmark = pytest.mark.timeout(600)
 
@@ -310,18 +312,47 @@ def test_the_engine_runs_with_the_variables_attnres_serve_sets(server):
     assert any(wanted <= env for env in environments), (children, [sorted(wanted & env) for env in environments])
 
 
-@pytest.mark.timeout(600)
-def test_soak_64_concurrent_clients_no_errors_and_no_memory_growth(server, client):
+def soak(server) -> list[float]:
+    """The server's RSS (MiB) after each soak round; every request must succeed."""
     rss = []
     for round_ in range(SOAK_WARMUP + SOAK_ROUNDS):
         errors = asyncio.run(soak_round(server.url, SOAK_CLIENTS, SOAK_TOKENS))
         assert errors == [], (round_, errors[:5])
         rss.append(server.rss_bytes() / 2**20)
-    measured = rss[SOAK_WARMUP:]
-    print(f"server RSS per round (MiB): {[round(r) for r in rss]}; slope after warm-up {slope(measured):.2f} "
-          "MiB/round")
-    assert measured[0] > 0 and slope(measured) < SOAK_SLOPE, [round(r) for r in rss]
+    assert min(rss) > 0, rss
+    return rss
+
+
+def llama_control(folder: Path) -> Path:
+    """A random `LlamaForCausalLM` of attnres-tiny's sizes, with its tokenizer: what vLLM serves natively."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((MODEL / "config.json").read_text())
+    fields = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+              "bos_token_id", "eos_token_id", "pad_token_id"]
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{k: config[k] for k in fields if k in config})).save_pretrained(folder)
+    for file in MODEL.iterdir():
+        if file.name.startswith(("tokenizer", "chat_template", "generation_config")):
+            (folder / file.name).write_bytes(file.read_bytes())
+    return folder
+
+
+@pytest.mark.timeout(900)
+def test_soak_64_concurrent_clients_no_errors_and_no_memory_growth(server, client, server_cache, tmp_path):
+    """AttnRes's server grows no faster than vLLM's own Llama of the same sizes under the same rounds."""
+    from tests.serving.conftest import start_server
+
+    attnres = soak(server)
     assert_still_serving(server, client)
+    with start_server([str(llama_control(tmp_path / "llama")), *SERVER_ARGS[1:]], server_cache, None, {}) as control:
+        llama = soak(control)
+    growth = {name: slope(rss[SOAK_WARMUP:]) for name, rss in (("AttnRes", attnres), ("Llama", llama))}
+    print(f"server RSS per round (MiB): AttnRes {[round(r) for r in attnres]}, Llama {[round(r) for r in llama]}; "
+          f"slopes after warm-up {growth}")
+    assert growth["AttnRes"] < growth["Llama"] + SOAK_MARGIN, (growth, [round(r) for r in attnres])
 
 
 # --- shutdown: runs last in this module -------------------------------------------------------------
