@@ -323,31 +323,19 @@ def soak(server) -> list[float]:
     return rss
 
 
-def llama_control(folder: Path) -> Path:
-    """A random `LlamaForCausalLM` of attnres-tiny's sizes, with its tokenizer: what vLLM serves natively."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = json.loads((MODEL / "config.json").read_text())
-    fields = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-              "bos_token_id", "eos_token_id", "pad_token_id"]
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{k: config[k] for k in fields if k in config})).save_pretrained(folder)
-    for file in MODEL.iterdir():
-        if file.name.startswith(("tokenizer", "chat_template", "generation_config")):
-            (folder / file.name).write_bytes(file.read_bytes())
-    return folder
-
-
 @pytest.mark.timeout(900)
 def test_soak_64_concurrent_clients_no_errors_and_no_memory_growth(server, client, server_cache, tmp_path):
     """AttnRes's server grows no faster than vLLM's own Llama of the same sizes under the same rounds."""
+    from transformers import AutoTokenizer
+
     from tests.serving.conftest import start_server
+    from tests.support.multirank import write_control
 
     attnres = soak(server)
     assert_still_serving(server, client)
-    with start_server([str(llama_control(tmp_path / "llama")), *SERVER_ARGS[1:]], server_cache, None, {}) as control:
+    fields, tokenizer = json.loads((MODEL / "config.json").read_text()), AutoTokenizer.from_pretrained(MODEL)
+    control_model = write_control(tmp_path / "llama", "LlamaForCausalLM", fields, tokenizer)   # served natively
+    with start_server([str(control_model), *SERVER_ARGS[1:]], server_cache, None, {}) as control:
         llama = soak(control)
     growth = {name: slope(rss[SOAK_WARMUP:]) for name, rss in (("AttnRes", attnres), ("Llama", llama))}
     print(f"server RSS per round (MiB): AttnRes {[round(r) for r in attnres]}, Llama {[round(r) for r in llama]}; "

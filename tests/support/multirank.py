@@ -97,8 +97,9 @@ def write_checkpoints(root: Path) -> dict[str, Path]:
 
 
 def write_control(path: Path, model_class: str, fields: dict, tokenizer) -> Path:
-    """A random transformers `model_class` (MixtralForCausalLM) of the tiny AttnRes
-    model's sizes, which vLLM serves with its own model: a control for the multi-rank engines."""
+    """A random transformers `model_class` (MixtralForCausalLM, LlamaForCausalLM) of an AttnRes model's sizes
+    (`fields`: its config), which vLLM serves with its own model: a control for the multi-rank engines, and
+    for the server soak (tests/serving/test_server_robustness.py)."""
     import transformers
 
     model_cls = getattr(transformers, model_class)
