@@ -109,6 +109,32 @@ def compiler_flags() -> tuple[list[str], list[str]]:
     return flags, ldflags
 
 
+@contextlib.contextmanager
+def _package_ninja_first():
+    """While held, the `ninja` of the PyPI package (a dependency of attnres) comes first on PATH, where torch's
+    builder looks for it. Without this, which ninja builds depends on how Python was started: an activated
+    virtual environment finds the package's, `.venv/bin/python` run directly finds the system's or none (then
+    the build fails with ninja installed). And two ninja versions hash a build command differently (1.11 and
+    1.13 here), so each took the other's build for a changed command and rebuilt it, 30-100 s a process."""
+    try:
+        import ninja
+        folder = ninja.BIN_DIR
+    except (ImportError, AttributeError):          # no package (say, remote code elsewhere): PATH's ninja
+        folder = None
+    if folder is None or not os.path.isfile(os.path.join(folder, "ninja")):
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([folder] + ([before] if before else []))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def load_inline(name: str, source: str, functions: list[str], build_directory: str | None = None):
     """`torch.utils.cpp_extension.load_inline` of C++ `source` with this CPU's `compiler_flags()`, without the
     `#include <torch/extension.h>` it otherwise puts first (where this torch can leave it out): all of
@@ -122,7 +148,8 @@ def load_inline(name: str, source: str, functions: list[str], build_directory: s
     options = dict(extra_cflags=flags, extra_ldflags=ldflags, build_directory=build_directory)
     if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
         options["no_implicit_headers"] = True
-    return cpp_extension.load_inline(name, cpp_sources=source, functions=functions, **options)
+    with _package_ninja_first():
+        return cpp_extension.load_inline(name, cpp_sources=source, functions=functions, **options)
 
 
 def _build():

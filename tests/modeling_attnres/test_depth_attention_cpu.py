@@ -394,6 +394,34 @@ def test_a_failed_build_says_what_is_missing(monkeypatch):
         cpu.enable_cpu_kernel()
 
 
+FAKE_NINJA = '#!/bin/sh\necho "$@" >> "$0.called"\nexit 1\n'     # fails, and records that it was run
+LOAD_KERNEL = """
+import logging
+logging.basicConfig()
+import modeling_attnres.depth_attention_cpu as cpu
+cpu.enable_cpu_kernel()
+print(cpu._module is not None)
+"""
+
+
+def test_the_build_runs_the_packages_ninja_whatever_comes_first_on_path(tmp_path):
+    """torch's builder runs the first `ninja` on PATH. The kernel's build puts the ninja package's first, so
+    that how Python was started (a virtual environment activated or not) neither breaks the build (no ninja on
+    PATH: `.venv/bin/python` run directly on a machine without a system ninja) nor alternates two ninja
+    versions, each of which took the other's build for a changed command and rebuilt it (30-100 s a process).
+    Here PATH's first ninja fails and records its calls: the kernel (built by the fixture) loads from torch's
+    cache without calling it and without a rebuild."""
+    fake = tmp_path / "ninja"
+    fake.write_text(FAKE_NINJA)
+    fake.chmod(0o755)
+    env = {key: item for key, item in os.environ.items() if key != "ATTNRES_CPU_KERNEL"}
+    env["PATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PATH", "")])
+    out = subprocess.run([sys.executable, "-c", LOAD_KERNEL], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-3000:]
+    assert not (tmp_path / "ninja.called").exists(), (tmp_path / "ninja.called").read_text()
+    assert "AttnRes" not in out.stderr                 # loaded, not rebuilt (nor failed): nothing to say
+
+
 VLLM_WITH_KERNEL = """
 import json, sys
 from torch.profiler import ProfilerActivity, profile
