@@ -8,6 +8,7 @@ are opened lazily, one tensor at a time. Writing the output is `publish.staged_f
 import argparse
 import errno
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
@@ -88,6 +89,10 @@ def read_index(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ConversionError(f"{index} is not a valid checkpoint index ({err}); download it again.") from err
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ConversionError(f"{index} is not a valid checkpoint index (its weight_map is a "
+                              f"{type(weight_map).__name__}, expected an object of tensor name -> shard file name); "
+                              "download it again.")
     missing = sorted({f for f in weight_map.values() if not (index.parent / f).exists()})
     if missing:
         raise ConversionError(f"{index} names shard(s) that are not in {index.parent}: {listing(missing)}. "
@@ -260,6 +265,15 @@ def check_destination(dst: Path, src: Path, overwrite: bool, dst_name: str = "DS
     dst, src = Path(require_path(dst, dst_name)).resolve(), Path(require_path(src, src_name)).resolve()
     if dst == src or src in dst.parents or dst in src.parents:
         raise ConversionError(f"{dst_name} {dst} overlaps {src_name} {src}; choose a separate output folder.")
+    here = Path.cwd().resolve()
+    if dst == here or dst in here.parents:
+        # The output replaces DST whole (a rename), which would pull the folder out from under the shell.
+        raise ConversionError(f"{dst_name} {dst} is the current folder{' or above it' if dst != here else ''}; "
+                              f"the output replaces {dst_name} whole. Choose a new folder, e.g. {dst / 'model'}.")
+    if os.path.ismount(dst):
+        raise ConversionError(f"{dst_name} {dst} is a mount point, which cannot be replaced whole (the output is "
+                              f"written beside {dst_name} and renamed into place); choose a folder inside it, "
+                              f"e.g. {dst / 'model'}.")
     if dst.exists() and not dst.is_dir():
         raise ConversionError(f"{dst_name} {dst} exists and is not a folder; choose a folder path.")
     if next((p for p in dst.parents if p.exists()), dst.parent).is_file():
@@ -357,7 +371,12 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
     copied = []
     roots = side_file_roots(src) if src.is_dir() else []
     for path in sorted(src.iterdir()) if src.is_dir() else []:
-        if path.name.startswith(".") or NOT_CARRIED.match(path.name) or not path.is_file():
+        if path.name.startswith(".") or NOT_CARRIED.match(path.name):
+            continue
+        if path.is_symlink() and not path.exists():       # a Hub cache whose download stopped, say
+            raise ConversionError(f"{path} is a broken symlink (to {os.readlink(path)}, which does not exist); "
+                                  "download or copy the checkpoint again, or remove the link.")
+        if not path.is_file():
             continue
         target = path.resolve()
         if path.is_symlink() and not any(target.is_relative_to(root) for root in roots):

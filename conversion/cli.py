@@ -16,7 +16,7 @@ from .checkpoint_io import path_argument
 from .converter import convert
 from .datatypes import DTYPES, ConversionResult, ConvertOptions
 from .errors import EXIT_INTERRUPTED, ConversionError, fail
-from .hub import push_folder, require_token
+from .hub import push_folder, require_token, upload_command
 
 PROG = "attnres-convert"
 
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return fail(PROG, err)
         except KeyboardInterrupt:
             return fail(PROG, f"interrupted while pushing; the converted checkpoint is complete at {result.dst} "
-                        f"(push it again with `hf upload {repo} {result.dst}`).", status=EXIT_INTERRUPTED)
+                        f"(push it again with `{upload_command(repo, result.dst, private)}`).", status=EXIT_INTERRUPTED)
     return 0
 
 

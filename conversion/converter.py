@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig
 from transformers.utils.hub import convert_file_size_to_int
 
@@ -173,6 +174,11 @@ def _plan_standard(folder: Path, options: ConvertOptions, model: torch.nn.Module
                     f"{folder} is a transformers checkpoint with its own config.json, not a seed-layout state dict.")
     try:
         src_config = AutoConfig.from_pretrained(folder)
+    except StrictDataclassError as err:              # a known model type with a value of the wrong type or size
+        model_type = read_json_object(folder / "config.json").get("model_type")
+        reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip()).rstrip(".")
+        raise ConversionError(f"{folder / 'config.json'} is not a valid {model_type} config: {reason}. Fix that "
+                              "value in config.json.") from None
     except (ValueError, KeyError, OSError) as err:
         model_type = read_json_object(folder / "config.json").get("model_type")
         raise ConversionError(f"Cannot read the config of {folder} (model_type {model_type!r}): {err}. "
@@ -235,6 +241,15 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
     if raw.get("model_type") == "attnres":
         return _plan_attnres_layout(open_checkpoint(src_path), raw, options, src_path)
     return _plan_standard(src_path, options)
+
+
+def check_attnres_checkpoint(folder: Path, config: dict) -> None:
+    """Refuse an AttnRes checkpoint folder whose tensors disagree with its `config` (config.json's fields):
+    missing, leftover or misshapen tensors are listed, as attnres-convert checks an AttnRes source. From
+    the files' headers only: nothing is loaded."""
+    source = NormalizedSource(open_checkpoint(folder))
+    target = attnres_config_from_seed(config, source.keys(), None)
+    resolve_key_map(source, SEED_RULES, (), target_shapes(meta_model(target)))
 
 
 def meta_model(config: AttnResConfig) -> AttnResForCausalLM:

@@ -4,6 +4,7 @@ Pulling needs nothing of ours: `AutoModelForCausalLM.from_pretrained(repo_id, tr
 reads the config's `auto_map` and the modeling files uploaded with the weights.
 """
 
+import shlex
 from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
@@ -49,5 +50,14 @@ def push_folder(folder: Path, repo_id: str, *, private: bool | None = None, toke
         reason = hub_reason(err, revision, writing=True)
         raise ConversionError(f"Pushing {folder} to the Hub repo {repo_id!r} failed: {reason}. The converted "
                               f"checkpoint is complete at {folder}; push it again with "
-                              f"`hf upload {repo_id} {folder}`.") from err
+                              f"`{upload_command(repo_id, folder, private, revision)}`.") from err
     return str(getattr(info, "commit_url", info))
+
+
+def upload_command(repo_id: str, folder: Path, private: bool | None = None, revision: str | None = None) -> str:
+    """The `hf upload` command that pushes `folder` as `push_folder` would, quoted for a shell: with
+    `--private` where the push asked for it (`hf upload` creates a missing repo public otherwise)."""
+    words = ["hf", "upload", repo_id, str(folder)]
+    words += ["--private"] if private else []
+    words += ["--revision", revision] if revision else []
+    return shlex.join(words)

@@ -49,6 +49,7 @@ from .checkpoint_io import (
     require_path,
     staged_destination,
 )
+from .converter import check_attnres_checkpoint
 from .errors import EXIT_INTERRUPTED, ConversionError, fail, listing
 
 # The linear layers vLLM runs through its quantizable `LinearBase` layers (qkv_proj, o_proj,
@@ -124,6 +125,7 @@ def read_config(src: Path) -> dict:
                               "kernel for fused experts. Serve the unquantized model, or quantize it with a tool "
                               "that supports MoE (e.g. llm-compressor) on a GPU machine.")
     check_attnres_config(config, src)
+    check_attnres_checkpoint(src, config)           # every tensor the config implies, and no other
     return config
 
 

@@ -49,7 +49,7 @@ from .checkpoint_io import (
     write_failures_named,
 )
 from .distill import EvaluateAtEnd, RetrofitTrainer, heldout_metrics, no_worse, paragraph_windows
-from .errors import EXIT_INTERRUPTED, ConversionError, UsageError, fail
+from .errors import EXIT_INTERRUPTED, ConversionError, UsageError, fail, listing
 from .publish import staged_file, staged_folder, user_cache_dir
 from .retrofit_work import (
     MarkComplete,
@@ -314,7 +314,17 @@ def load_model(path: Path):
         raise RetrofitError(f"{path} has no tokenizer that transformers can load ({type(err).__name__}: {cause}); "
                             "retrofit tokenizes CORPUS with the model's tokenizer: copy the source model's tokenizer "
                             "files into the folder (attnres-convert copies them when its source has them)") from err
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    except ValueError as err:                # weights that disagree with config.json, a corrupt file: named there
+        raise RetrofitError(" ".join(str(err).split())) from err
+    missing, unexpected = info["missing_keys"], info["unexpected_keys"]
+    if missing or unexpected:                # transformers would start the missing ones from random values
+        raise RetrofitError(f"{path} does not hold the weights its config.json describes (missing: "
+                            f"{listing(sorted(missing)) or 'none'}; not in the model: "
+                            f"{listing(sorted(unexpected)) or 'none'}); retrofitting would train and publish "
+                            "random values in their place. Pass the complete checkpoint (copy or convert it again).")
+    return model, tokenizer
 
 
 # ------------------------------------------------------------------------------------- training

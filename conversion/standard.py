@@ -29,6 +29,11 @@ from .keymap import Fill, Rule, TensorSource
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# The model types a supported architecture's config loads as (transformers builds the model from the model type):
+# a Mistral config with `layer_types` loads as `ministral`.
+MODEL_TYPES = {"LlamaForCausalLM": ("llama",), "Qwen2ForCausalLM": ("qwen2",), "Qwen3ForCausalLM": ("qwen3",),
+               "MistralForCausalLM": ("mistral", "ministral"), "Qwen2MoeForCausalLM": ("qwen2_moe",),
+               "Qwen3MoeForCausalLM": ("qwen3_moe",), "MixtralForCausalLM": ("mixtral",)}
 # Mixture-of-experts fields: AttnResConfig's names (Qwen2/Qwen3-MoE's) <- the source config's.
 EXPERT_FIELDS = {"num_experts": ("num_experts", "num_local_experts"), "num_experts_per_tok": ("num_experts_per_tok",),
                  "moe_intermediate_size": ("moe_intermediate_size",), "norm_topk_prob": ("norm_topk_prob",),
@@ -118,6 +123,11 @@ def architecture_of(config: PretrainedConfig) -> str:
             "checkpoints (and AttnRes checkpoints in other layouts). Other models differ in more than the "
             "residual path and cannot be carried over exactly."
         )
+    if model_type not in MODEL_TYPES[arch]:
+        raise ConversionError(
+            f"The source config says architectures=[{arch!r}] but model_type={model_type!r} (a {arch} checkpoint "
+            f"has model_type {MODEL_TYPES[arch][0]!r}): transformers would build a {model_type} model from it. "
+            "One of the two is wrong; fix config.json.")
     return arch
 
 

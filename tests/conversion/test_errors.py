@@ -188,6 +188,55 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(tmp_path, llama
     assert (tmp_path / "precious.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("dst", [".", ".."])
+def test_the_current_folder_or_one_above_it_is_refused_as_dst(tmp_path, llama_src, capsys, monkeypatch, dst):
+    """DST is replaced whole by a rename: the current folder (even empty) would be pulled out from under the
+    shell that ran the command."""
+    here = tmp_path / "out" / "here"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    assert main([str(llama_src), dst, "--no-verify"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"DST {(here / dst).resolve()} is the current folder" in line and "Choose a new folder" in line
+    assert here.is_dir() and not any(here.iterdir())
+
+
+def test_a_mount_point_as_dst_is_refused_before_any_work(tmp_path, llama_src, capsys, monkeypatch):
+    """A mount point (a container's volume, say) cannot be renamed over: refused up front, with a folder inside
+    it to use instead, not after the conversion with the rename's 'Device or resource busy'. (Mounting needs
+    root: the check's view of the file system is patched.)"""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == volume or real(path))
+    monkeypatch.setattr(converter_module, "plan_conversion", None)       # any work would fail with a TypeError
+    assert main([str(llama_src), str(volume), "--no-verify"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"attnres-convert: error: DST {volume} is a mount point, which cannot be replaced whole (the output is "
+        f"written beside DST and renamed into place); choose a folder inside it, e.g. {volume / 'model'}.")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rms_norm_eps": 0}, "config.json is not a valid llama config: Validation error for field 'rms_norm_eps': "
+                          "TypeError: Field 'rms_norm_eps' expected float, got int (value: 0). Fix that value"),
+    ({"num_attention_heads": 3}, "The hidden size (32) is not a multiple of the number of attention heads (3). Fix"),
+    ({"model_type": "gpt2"}, "The source config says architectures=['LlamaForCausalLM'] but model_type='gpt2' (a "
+                             "LlamaForCausalLM checkpoint has model_type 'llama')"),
+])
+def test_config_values_transformers_refuses_are_one_line(tmp_path, llama_src, capsys, change, message):
+    edit_config(llama_src, **change)
+    assert main([str(llama_src), str(tmp_path / "dst"), "--no-verify"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert_nothing_written(tmp_path)
+
+
+def test_an_index_whose_weight_map_is_not_an_object_is_named(tmp_path, llama_src):
+    (llama_src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model-00001.safetensors"]}))
+    refuse(tmp_path, llama_src, r"index\.json is not a valid checkpoint index \(its weight_map is a list, expected "
+                                r"an object of tensor name -> shard file name\)")
+
+
 def test_interrupted_conversion_leaves_nothing(tmp_path, llama_src, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -320,6 +369,9 @@ def test_side_files_are_copied_only_from_inside_the_checkpoint(tmp_path, llama_s
     (llama_src / "notes.txt").symlink_to(secret)
     refuse(tmp_path, llama_src, r"notes\.txt is a symlink to .*secret\.txt, outside the checkpoint folder")
     (llama_src / "notes.txt").unlink()
+    (llama_src / "tokenizer.json").symlink_to(llama_src / "gone.json")       # a download that never finished
+    refuse(tmp_path, llama_src, r"tokenizer\.json is a broken symlink \(to .*gone\.json, which does not exist\)")
+    (llama_src / "tokenizer.json").unlink()
     (llama_src / "inside.txt").write_text("kept")
     (llama_src / "alias.txt").symlink_to(llama_src / "inside.txt")
     convert(llama_src, tmp_path / "dst", ConvertOptions(verify=False))

@@ -155,6 +155,11 @@ def test_a_token_the_hub_refuses_is_one_line_and_keeps_the_conversion(tmp_path, 
     assert "'me/tiny-attnres' failed: the Hub refused the token (HTTP 401: set HF_TOKEN to a valid token)" in line
     assert f"push it again with `hf upload me/tiny-attnres {tmp_path / 'dst'}`" in line
     assert hub.commits == [] and (tmp_path / "dst" / "model.safetensors").exists()
+    # A private push's retry stays private (`hf upload` creates a missing repo public), its path quoted.
+    dst = tmp_path / "my models" / "dst"
+    assert main([str(src), str(dst), "--no-verify", "--push-to-hub", "me/tiny-attnres", "--private"]) == 1
+    line = only_error_line(capsys.readouterr().err)
+    assert f"push it again with `hf upload me/tiny-attnres '{dst}' --private`" in line
 
 
 def http_error(cls, status: int):

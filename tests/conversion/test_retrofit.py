@@ -211,6 +211,41 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
         assert f"argument {option}: is empty ('')" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_a_checkpoint_whose_weights_disagree_with_its_config_is_refused_before_training(zeroed, corpus, tmp_path,
+                                                                                        capsys):
+    """A tensor missing (transformers would start it from random values, which the default --train depth
+    keeps frozen and publishes), one the model does not have, a layer more in config.json than in the
+    weights, and a truncated weights file: each named in one line, before any training."""
+    from safetensors.torch import save_file
+
+    def damaged(name: str, edit) -> Path:
+        folder = Path(shutil.copytree(zeroed, tmp_path / name))
+        weights = load_file(folder / "model.safetensors")
+        edit(weights)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+
+    out = tmp_path / "out"
+    dropped = damaged("dropped", lambda w: w.pop("model.layers.1.mlp.down_proj.weight"))
+    assert ("does not hold the weights its config.json describes (missing: model.layers.1.mlp.down_proj.weight; "
+            "not in the model: none); retrofitting would train and publish random values") in error_of(
+        capsys, dropped, corpus, "--out", out, *RETROFIT_ARGS)
+    extra = damaged("extra", lambda w: w.update({"model.bogus.weight": torch.zeros(2)}))
+    assert "(missing: none; not in the model: model.bogus.weight)" in error_of(capsys, extra, corpus, "--out", out,
+                                                                               *RETROFIT_ARGS)
+    deeper = Path(shutil.copytree(zeroed, tmp_path / "deeper"))
+    config = json.loads((deeper / "config.json").read_text())
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    assert "has 8 layers but its config.json says num_hidden_layers=9" in error_of(capsys, deeper, corpus, "--out",
+                                                                                   out, *RETROFIT_ARGS)
+    cut = Path(shutil.copytree(zeroed, tmp_path / "cut"))
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "model.safetensors (Error while deserializing header" in error_of(capsys, cut, corpus, "--out", out,
+                                                                             *RETROFIT_ARGS)
+    assert not out.exists()
+
+
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 

@@ -125,6 +125,32 @@ def test_refuses_a_quantized_source_and_a_non_attnres_folder(quantized, tmp_path
         quantize_checkpoint(tmp_path / "nothere", tmp_path / "out")
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("drop", r"1 AttnRes parameter\(s\) have no source tensor and no filler: model\.layers\.0\.mlp\.down_proj\.weight"),
+    ("extra", r"1 source key\(s\) match no rule of the key map: model\.bogus\.weight"),
+    ("layers", r"AttnRes parameter\(s\) have no source tensor .*model\.layers\.8\.input_layernorm\.weight")])
+def test_a_source_whose_tensors_disagree_with_its_config_is_refused(source, tmp_path, damage, message):
+    """A tensor missing, one the model does not have, or a config.json with a layer more than the weights: named,
+    and nothing published (the quantized folder would otherwise load with random weights in their place)."""
+    from safetensors.torch import load_file, save_file
+
+    damaged = Path(shutil.copytree(source, tmp_path / "damaged"))
+    weights = load_file(damaged / "model.safetensors")
+    config = json.loads((damaged / "config.json").read_text())
+    if damage == "drop":
+        del weights["model.layers.0.mlp.down_proj.weight"]
+    elif damage == "extra":
+        weights["model.bogus.weight"] = torch.zeros(2)
+    else:
+        config["num_hidden_layers"] += 1
+        config.pop("layer_types", None)
+    save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    (damaged / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=message):
+        quantize_checkpoint(damaged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_without_compressed_tensors_the_command_names_the_extra_before_any_work(source, tmp_path, monkeypatch,
                                                                                 capsys):
     for name in ("compressed_tensors", "compressed_tensors.quantization"):      # not installed
