@@ -252,8 +252,9 @@ def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[F
     """Every target tensor, converted to `dtype` (the map is checked first, see `resolve_key_map`)."""
     plan = resolve_key_map(source, rules, fills, shapes)
     out = {}
-    for target, (key, transform) in tqdm(sorted(plan.mapped.items()), desc="Converting tensors", unit="tensor"):
-        out[target] = TRANSFORMS[transform](source.get(key), ctx).to(dtype).contiguous()
+    with tqdm(sorted(plan.mapped.items()), desc="Converting tensors", unit="tensor") as bar:   # closed on any exit
+        for target, (key, transform) in bar:
+            out[target] = TRANSFORMS[transform](source.get(key), ctx).to(dtype).contiguous()
     for key, filler in plan.filled.items():
         out[key] = FILLERS[filler](shapes[key], dtype)
     return out

@@ -92,7 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an --out folder that holds a checkpoint, or an existing --export-depth file")
     p.add_argument("--train", choices=sorted(TRAINABLE), default="depth",
-                   help="depth: pseudo-queries + key-norm gains (default); queries; all: every parameter")
+                   help="depth: pseudo-queries + key-norm gains (default); queries: pseudo-queries only; norms: "
+                        "the backbone's RMSNorm gains, not the key norms (a control: examples/retrofit_compare.py); "
+                        "all: every parameter")
     p.add_argument("--pattern", action="append", help=f"file glob in a corpus folder (default: {DEFAULT_PATTERNS})")
     p.add_argument("--validation-percent", type=int, default=10)
     p.add_argument("--steps", type=int, default=200)

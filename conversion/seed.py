@@ -23,7 +23,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from modeling_attnres import AttnResConfig
 
-from .errors import ConversionError, listing
+from .errors import ConversionError, UsageError, listing
 from .keymap import Rule, TensorSource
 from .standard import LAYER, ROTARY_TABLES, same_keys
 
@@ -128,7 +128,12 @@ def attnres_config_from_seed(config: dict, keys: Iterable[str], seed_block_size:
     fields, ignored = _split_config(config)
     if ignored:  # training hyper-parameters and the like: not part of the model, kept out of config.json
         warnings.warn(f"Config keys that are not AttnResConfig fields were ignored: {', '.join(ignored)}")
-    sublayers = seed_block_size if seed_block_size is not None else config.get("block_size")
+    own = config.get("block_size")
+    if seed_block_size is not None and own is not None and int(own) != seed_block_size:
+        raise UsageError(f"--seed-block-size {seed_block_size} disagrees with the checkpoint's own block_size {own} "
+                         "(sublayers per block, in its config): a wrong schedule would convert without a word, "
+                         "since verification reads the same schedule. Drop --seed-block-size, or fix the config.")
+    sublayers = seed_block_size if seed_block_size is not None else own
     if sublayers is not None:
         fields.pop("attn_res_block_size", None)
         fields.update(block_size_from_sublayers(int(sublayers)))

@@ -109,19 +109,18 @@ def verify_standard(source: torch.nn.Module, ids: list[torch.Tensor], converted:
     The headline difference is to the source as given (it includes the rounding to `dtype`); the
     prediction and the greedy reference are made from the source weights rounded to `dtype`, so that
     they isolate the eps effect."""
-    steps = tqdm(total=5, desc="Verifying", unit="step")
-    ref_logits = _logits(source, ids)
-    round_weights(source, dtype)
-    ref_tokens = _greedy(source, ids)
-    steps.update(2)
-    apply_predicted_eps(source, config, stream_scale)
-    predicted, predicted_routes = _logits(source, ids), _routes(source, ids, config)
-    steps.update(1)
-    model = load_source(converted)
-    got_logits, got_tokens = _logits(model, ids), _greedy(model, ids)
-    routing = routing_agreement(predicted_routes, _routes(model, ids, config))
-    steps.update(2)
-    steps.close()
+    with tqdm(total=5, desc="Verifying", unit="step") as steps:     # closed (its line ended) on any exit
+        ref_logits = _logits(source, ids)
+        round_weights(source, dtype)
+        ref_tokens = _greedy(source, ids)
+        steps.update(2)
+        apply_predicted_eps(source, config, stream_scale)
+        predicted, predicted_routes = _logits(source, ids), _routes(source, ids, config)
+        steps.update(1)
+        model = load_source(converted)
+        got_logits, got_tokens = _logits(model, ids), _greedy(model, ids)
+        routing = routing_agreement(predicted_routes, _routes(model, ids, config))
+        steps.update(2)
     diff, rel, scale, agree = compare(ref_logits, got_logits)
     greedy = all(torch.equal(a, b) for a, b in zip(ref_tokens, got_tokens))
     eps_effect = config.rms_norm_eps > 0
@@ -159,9 +158,10 @@ def calibrate_stream_scale(source: torch.nn.Module, ids: list[torch.Tensor], con
     original = [norm.variance_epsilon for norm in norms]
     errors = {}
     try:
-        for scale in tqdm(candidates, desc="Calibrating stream scale", unit="scale"):
-            apply_predicted_eps(source, config, scale)
-            errors[scale] = compare(reference, _logits(source, ids))[1]
+        with tqdm(candidates, desc="Calibrating stream scale", unit="scale") as bar:    # closed on any exit
+            for scale in bar:
+                apply_predicted_eps(source, config, scale)
+                errors[scale] = compare(reference, _logits(source, ids))[1]
     finally:
         for norm, eps in zip(norms, original):
             norm.variance_epsilon = eps

@@ -35,7 +35,7 @@ TASKS_DIR = REPO / "eval" / "tasks"
 PREFIX_TOKEN = "<|endoftext|>"
 SERVER_STARTUP_S = 900
 LABELS = {"source": "source Llama", "exact": "AttnRes, exact conversion (default)",
-          "retrofit": "AttnRes, retrofitted (-retrofit)", "served": "AttnRes default, served (vLLM bf16)"}
+          "retrofit": "AttnRes, retrofitted", "served": "AttnRes default, served (vLLM bf16)"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

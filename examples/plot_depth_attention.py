@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--text-file", type=Path, help="text to average over (default: the model's heldout_sample.txt)")
     p.add_argument("--max-tokens", type=int, default=2048)
     args = p.parse_args(argv)
+    if args.max_tokens < 2:
+        p.error(f"--max-tokens must be at least 2 (the weights are averaged over the tokens), got {args.max_tokens}")
     try:
         check_output(args.out)
         text, origin = read_text(args.model, args.text_file)

@@ -1,7 +1,7 @@
 """Source Llama vs converted (zero queries) vs retrofitted vs a control, on the same held-out text.
 
     .venv/bin/python examples/retrofit_compare.py --source LLAMA_DIR --converted ATTNRES_DIR \\
-        --retrofitted RETROFIT_DIR --corpus CORPUS [--steps 100 --batch-size 8 --seq-len 128]
+        --retrofitted RETROFIT_DIR --corpus CORPUS [--control-out DIR --json FILE]
 
 LLAMA_DIR may be the GGUF file itself (dequantised to float32 as attnres-convert does).
 `RETROFIT_DIR` is the output of `attnres-retrofit ATTNRES_DIR CORPUS --out RETROFIT_DIR` (its

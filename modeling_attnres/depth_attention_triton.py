@@ -31,6 +31,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 
 import functools
 import importlib.util
+import logging
 import os
 from types import SimpleNamespace
 
@@ -71,6 +72,10 @@ def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 _AVAILABLE = importlib.util.find_spec("triton") is not None
 _ENV = os.environ.get("ATTNRES_TRITON_KERNEL", "1").strip().lower()
 _enabled = _ENV not in ("0", "false", "no", "off")
+if _ENV not in ("0", "false", "no", "off", "1", "true", "yes", "on", "auto", "compiled"):
+    logging.getLogger(__name__).warning(
+        "AttnRes: ATTNRES_TRITON_KERNEL=%r is not a known value (0 or off: the kernels off; compiled: also inside "
+        "torch.compile graphs; 1: the default); using the default, on.", _ENV)
 _in_graphs = _ENV == "compiled"                    # the boundary op also inside torch.compile graphs
 
 

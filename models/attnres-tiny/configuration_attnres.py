@@ -215,7 +215,8 @@ class AttnResConfig(LlamaConfig):
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
-                raise ValueError(f"AttnResConfig.{name} must be a positive integer, got {value!r} (num_experts="
+                dense = " or 0 for a dense model" if name == "num_experts" else ""
+                raise ValueError(f"AttnResConfig.{name} must be a positive integer{dense}, got {value!r} (num_experts="
                                  f"{self.num_experts}; set num_experts=0 for a dense model).")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"AttnResConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "

@@ -15,7 +15,7 @@ It is a sibling backend of the torch functions, not a second definition: `depth_
 the reference (the tests hold this kernel to it and to the float64 oracle) and the only path under
 autograd and on other devices. The kernel is on by default: it is built from its C++ source
 (`depth_attention_cpu_source.py`) with `torch.utils.cpp_extension.load_inline` at first use (a C++
-compiler and ninja are needed; 35-45 s on 2 cores, logged in one line, then cached in torch's
+compiler and ninja are needed; 35-60 s on 2 cores, logged in one line, then cached in torch's
 extensions directory). Where it cannot be built, one line says so and depth attention stays on the
 torch path (the same maths; a bfloat16/float16 model's blocks stay float32 there, `site_bank`, so its
 outputs differ by their rounding). It is turned off by `ATTNRES_CPU_KERNEL=0` or `enable_cpu_kernel(False)`.
@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 _module = None
 _OFF = ("0", "false", "no", "off")
 _ENV = os.environ.get("ATTNRES_CPU_KERNEL", "auto").strip().lower()
+if _ENV not in (*_OFF, "1", "true", "yes", "on", "auto", "compiled"):    # a typo would pass for "on" unsaid
+    logger.warning("AttnRes: ATTNRES_CPU_KERNEL=%r is not a known value (0 or off: the kernel off; compiled: also "
+                   "inside torch.compile graphs; 1 or auto: the default); using the default, on.", _ENV)
 _enabled = _ENV not in _OFF                           # the default ("auto"): on where it can be built
 _in_graphs = _ENV == "compiled"                       # also inside torch.compile, as the `attnres::` ops
 

@@ -95,3 +95,13 @@ def test_bad_output_path_is_refused_before_loading(tmp_path, capsys):
     assert "must end in .png" in capsys.readouterr().err
     assert plot.main([str(SHIPPED_MODEL), "--out", str(tmp_path / "no" / "x.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_too_few_tokens_name_the_option(tmp_path, capsys):
+    """--max-tokens 0 is the option's fault, not the text's."""
+    with pytest.raises(SystemExit) as exited:
+        plot.main([str(SHIPPED_MODEL), "--out", str(tmp_path / "x.png"), "--max-tokens", "0"])
+    assert exited.value.code == 2
+    assert "--max-tokens must be at least 2 (the weights are averaged over the tokens), got 0" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -362,6 +362,18 @@ def test_environment_variable_at_import_and_the_default():
     assert "AttnRes" not in out.stderr                     # no build, no failure: nothing to say
 
 
+def test_an_unknown_value_of_a_kernel_switch_is_named_and_the_default_kept():
+    """A typo (`compile` for `compiled`) would otherwise pass for "on" without a word."""
+    code = ("import json, modeling_attnres.depth_attention_cpu as cpu, modeling_attnres.depth_attention_triton as tri; "
+            "print(json.dumps([cpu._enabled, cpu._in_graphs, tri._enabled, tri._in_graphs]))")
+    env = {**os.environ, "ATTNRES_CPU_KERNEL": "compile", "ATTNRES_TRITON_KERNEL": "yes please"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == [True, False, True, False]
+    assert "ATTNRES_CPU_KERNEL='compile' is not a known value" in out.stderr
+    assert "ATTNRES_TRITON_KERNEL='yes please' is not a known value" in out.stderr
+
+
 def test_each_source_builds_under_its_own_name(monkeypatch):
     """Two versions of the kernel (an installed package and an older checkpoint's remote code) build under two
     names in torch's extension cache, so that neither rebuilds over the other; one source keeps one name."""

@@ -46,6 +46,7 @@ def test_dense_is_the_default_and_sparse_layers_follow_qwens_rule():
 @pytest.mark.parametrize("overrides, fragment", [
     (dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok (5) must be at most num_experts (4)"),
     (dict(num_experts=4, moe_intermediate_size=0), "moe_intermediate_size must be a positive integer, got 0"),
+    (dict(num_experts=-1), "num_experts must be a positive integer or 0 for a dense model, got -1"),
     (dict(num_experts=4, mlp_only_layers=[7]), "mlp_only_layers names layers [7] outside 0..4; list dense layers"),
     (dict(num_experts=4, shared_expert_intermediate_size=-1), "shared_expert_intermediate_size must be >= 0"),
     (dict(num_experts=4, router_aux_loss_coef=float("nan")),
