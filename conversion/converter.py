@@ -88,6 +88,9 @@ def check_options(src: str, options: ConvertOptions) -> None:
     """Values and combinations of options that are wrong whatever SRC holds: refused before any work."""
     if options.block_size is not None and options.block_size < 1:
         raise UsageError(f"--block-size must be at least 1 (layers per block), got {options.block_size}.")
+    if options.config_path is not None and not Path(options.config_path).is_file():
+        raise UsageError(f"--config {options.config_path} is not a file; pass the config.json of the state dict "
+                         "(Llama field names: hidden_size, num_attention_heads, ...).")
     if options.block_size is not None and options.mode == "full":
         raise UsageError("--block-size does not apply with --mode full: Full AttnRes attends over every "
                          "sublayer output, without blocks. Drop one of the two.")

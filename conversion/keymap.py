@@ -251,10 +251,21 @@ def apply_key_map(source: TensorSource, rules: Iterable[Rule], fills: Iterable[F
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every target tensor, converted to `dtype` (the map is checked first, see `resolve_key_map`)."""
     plan = resolve_key_map(source, rules, fills, shapes)
-    out = {}
+    out, damaged, overflowed = {}, [], []
     with tqdm(sorted(plan.mapped.items()), desc="Converting tensors", unit="tensor") as bar:   # closed on any exit
         for target, (key, transform) in bar:
-            out[target] = TRANSFORMS[transform](source.get(key), ctx).to(dtype).contiguous()
+            tensor = source.get(key)
+            out[target] = TRANSFORMS[transform](tensor, ctx).to(dtype).contiguous()
+            if not torch.isfinite(tensor).all():
+                damaged.append(key)
+            elif not torch.isfinite(out[target]).all():
+                overflowed.append(key)
+    if damaged:               # the calibration and verification would only say NaN, or blame the converter
+        raise ConversionError(f"The source holds NaN or infinite values in {listing(damaged)}; the checkpoint is "
+                              "damaged (a diverged training run, a bad download?): convert an intact one.")
+    if overflowed:
+        raise ConversionError(f"{listing(overflowed)} overflow {str(dtype).removeprefix('torch.')} (values past its "
+                              "range once converted); convert with --dtype bfloat16 or float32.")
     for key, filler in plan.filled.items():
         out[key] = FILLERS[filler](shapes[key], dtype)
     return out

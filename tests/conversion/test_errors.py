@@ -118,6 +118,22 @@ def test_truncated_or_corrupt_safetensors(tmp_path, llama_src, damage):
     refuse(tmp_path, llama_src, rf"Cannot read safetensors file .*{shard.name}.*truncated or corrupt")
 
 
+@pytest.mark.parametrize("value, dtype, pattern", [
+    (float("nan"), None, r"The source holds NaN or infinite values in model\.layers\.0\.mlp\.up_proj\.weight; the "
+                         r"checkpoint is damaged"),
+    (1e6, "float16", r"model\.layers\.0\.mlp\.up_proj\.weight overflow float16 \(values past its range once "
+                     r"converted\); convert with --dtype bfloat16 or float32")])
+def test_non_finite_weights_are_named_before_anything_is_written(tmp_path, llama_src, value, dtype, pattern):
+    """A damaged source (NaN) or a weight past the output dtype's range: the tensor is named, instead of NaN
+    calibration scores and a verification failure that blames the converter."""
+    key = "model.layers.0.mlp.up_proj.weight"
+    shard = next(p for p in llama_src.glob("*.safetensors") if key in load_file(p))
+    weights = load_file(shard)
+    weights[key][0, 0] = value
+    save_file(weights, str(shard), metadata={"format": "pt"})
+    refuse(tmp_path, llama_src, pattern, **({"dtype": dtype} if dtype else {}))
+
+
 def test_missing_shard_is_named(tmp_path, llama_src):
     shard = sorted(llama_src.glob("*.safetensors"))[0]
     shard.unlink()
@@ -274,6 +290,7 @@ def test_bad_dtype_and_scale_and_missing_source(tmp_path, llama_src):
     (["--seed-block-size", "0"], "--seed-block-size must be 1 (Full AttnRes) or an even number of sublayers"),
     (["--seed-block-size", "3"], "(2 per layer: AttnRes blocks hold whole layers), got 3."),
     (["--push-to-hub", "not a repo"], "--push-to-hub 'not a repo' is not a Hub repo id"),
+    (["--config", "nope.json"], "--config nope.json is not a file; pass the config.json of the state dict"),
 ])
 def test_wrong_options_exit_2_before_any_work(tmp_path, llama_src, capsys, monkeypatch, argv, message):
     """A wrong option is a usage error (exit 2, one message naming it), found before SRC is even read."""
