@@ -32,7 +32,7 @@ def paragraph_windows(tokenizer, texts: list[str], length: int, min_tokens: int 
         for paragraph in PARAGRAPH_BREAK.split(text):
             if not paragraph.strip():
                 continue
-            own = tokenizer(paragraph.strip() + "\n\n", add_special_tokens=False)["input_ids"]
+            own = tokenizer(paragraph.strip() + "\n\n", add_special_tokens=False, verbose=False)["input_ids"]
             if len(own) >= min_tokens:
                 starts.append(len(ids))
             ids.extend(own)

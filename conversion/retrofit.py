@@ -237,7 +237,8 @@ def token_windows(tokenizer, texts: list[str], seq_len: int, what: str) -> torch
     """Texts joined by the end-of-text token, cut into non-overlapping `[n, seq_len]` windows."""
     ids: list[int] = []
     for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        # Whole files, cut into windows below: transformers' "longer than the maximum length" warning is moot.
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
     n = len(ids) // seq_len

@@ -334,3 +334,13 @@ def test_fsdp_on_cpus_is_refused_not_silently_run_as_ddp(monkeypatch):
     with pytest.raises(retrofit.RetrofitError, match="accelerate shards models only on GPUs.*--multi_gpu"):
         retrofit.check_distributed(2)
     retrofit.check_distributed(1)                                      # one process: nothing to shard
+
+
+def test_whole_files_are_tokenized_without_transformers_length_warning(zeroed, caplog):
+    """Corpus files are tokenized whole and then cut into windows, so transformers' warning that a text is longer
+    than the model's maximum length ("will result in indexing errors") would only alarm."""
+    tokenizer = AutoTokenizer.from_pretrained(zeroed)
+    text = "def f(x):\n    return x\n" * tokenizer.model_max_length
+    windows = retrofit.token_windows(tokenizer, [text], 16, "training")
+    assert windows.shape[1] == 16 and windows.numel() > tokenizer.model_max_length
+    assert not [r for r in caplog.records if "Token indices sequence length is longer" in r.getMessage()]
