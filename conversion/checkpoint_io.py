@@ -89,10 +89,14 @@ def read_index(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ConversionError(f"{index} is not a valid checkpoint index ({err}); download it again.") from err
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+    if not isinstance(weight_map, dict):
         raise ConversionError(f"{index} is not a valid checkpoint index (its weight_map is a "
                               f"{type(weight_map).__name__}, expected an object of tensor name -> shard file name); "
                               "download it again.")
+    bad = next(((k, f) for k, f in weight_map.items() if not isinstance(f, str)), None)
+    if bad is not None:
+        raise ConversionError(f"{index} is not a valid checkpoint index (its weight_map gives {bad[0]!r} the shard "
+                              f"{bad[1]!r}, expected a file name); download it again.")
     missing = sorted({f for f in weight_map.values() if not (index.parent / f).exists()})
     if missing:
         raise ConversionError(f"{index} names shard(s) that are not in {index.parent}: {listing(missing)}. "
@@ -361,14 +365,15 @@ def side_file_roots(src: Path) -> list[Path]:
     return roots
 
 
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer files, chat template, generation config and the like (every top-level file that
-    is not weights, config, code or the model card). Returns the copied names.
+def side_files(src: Path) -> list[tuple[str, Path]]:
+    """`(name, file to copy)` for every side file of `src`: tokenizer files, chat template, generation config and
+    the like (every top-level file that is not weights, config, code or the model card). Raises, before
+    anything is written when called first, for a broken symlink or one that leads outside the checkpoint.
 
-    Files are copied by content. A symlink is followed only when it resolves inside the source folder
-    (or, for a Hub cache snapshot, into the same repository's blobs); any other symlink is refused,
-    so that nothing outside the checkpoint is published (or pushed) by accident."""
-    copied = []
+    A symlink is followed only when it resolves inside the source folder (or, for a Hub cache snapshot, into
+    the same repository's blobs); any other symlink is refused, so that nothing outside the checkpoint is
+    published (or pushed) by accident."""
+    files = []
     roots = side_file_roots(src) if src.is_dir() else []
     for path in sorted(src.iterdir()) if src.is_dir() else []:
         if path.name.startswith(".") or NOT_CARRIED.match(path.name):
@@ -383,6 +388,14 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
             raise ConversionError(f"{path} is a symlink to {target}, outside the checkpoint folder {src}; "
                                   "side files are copied only from inside it. Replace the link with a copy of "
                                   "the file (or remove it).")
-        shutil.copyfile(target, dst / path.name)
-        copied.append(path.name)
+        files.append((path.name, target))
+    return files
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the side files of `src` (`side_files`) into `dst`, by content. Returns the copied names."""
+    copied = []
+    for name, target in side_files(src):
+        shutil.copyfile(target, dst / name)
+        copied.append(name)
     return copied

@@ -31,6 +31,7 @@ from .checkpoint_io import (
     read_json_object,
     require_path,
     resolve_source,
+    side_files,
     staged_destination,
 )
 from .datatypes import DTYPES, ConversionResult, ConvertOptions, Plan, VerifyReport
@@ -246,15 +247,6 @@ def plan_conversion(src_path: Path, options: ConvertOptions) -> Plan:
     return _plan_standard(src_path, options)
 
 
-def check_attnres_checkpoint(folder: Path, config: dict) -> None:
-    """Refuse an AttnRes checkpoint folder whose tensors disagree with its `config` (config.json's fields):
-    missing, leftover or misshapen tensors are listed, as attnres-convert checks an AttnRes source. From
-    the files' headers only: nothing is loaded."""
-    source = NormalizedSource(open_checkpoint(folder))
-    target = attnres_config_from_seed(config, source.keys(), None)
-    resolve_key_map(source, SEED_RULES, (), target_shapes(meta_model(target)))
-
-
 def meta_model(config: AttnResConfig) -> AttnResForCausalLM:
     """The target model without memory: its parameter names and shapes."""
     with torch.device("meta"):
@@ -297,6 +289,8 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
     (or `options.keep_failed`)."""
     result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
                               plan.scale_errors, origin=origin)
+    if plan.folder is not None:
+        side_files(plan.folder)                 # a broken or outside link is refused before anything is written
     with staged_destination(dst, options.overwrite) as tmp:      # DST was checked: absent, empty or --overwrite
         write_model(plan, tmp, options.max_shard_size)
         if plan.folder is not None:

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 import modeling_attnres
 from modeling_attnres.configuration_attnres import AUTO_MAP
-from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
+from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES, SEED_KEY_ALIASES
 
 from .checkpoint_io import (
     check_attnres_config,
@@ -47,10 +47,11 @@ from .checkpoint_io import (
     path_argument,
     read_json_object,
     require_path,
+    side_files,
     staged_destination,
 )
-from .converter import check_attnres_checkpoint
 from .errors import EXIT_INTERRUPTED, ConversionError, fail, listing
+from .keymap import target_shapes
 
 # The linear layers vLLM runs through its quantizable `LinearBase` layers (qkv_proj, o_proj,
 # gate_up_proj, down_proj); nothing else in an AttnRes checkpoint is quantized.
@@ -125,8 +126,35 @@ def read_config(src: Path) -> dict:
                               "kernel for fused experts. Serve the unquantized model, or quantize it with a tool "
                               "that supports MoE (e.g. llm-compressor) on a GPU machine.")
     check_attnres_config(config, src)
-    check_attnres_checkpoint(src, config)           # every tensor the config implies, and no other
+    check_tensors(src, config)
     return config
+
+
+def check_tensors(src: Path, config: dict) -> None:
+    """Refuse a checkpoint whose tensors (read from the headers) are not the ones its config implies, by name
+    and shape: quantizing copies every name as it is, and transformers and vLLM would start a missing tensor
+    from random values. A tied checkpoint may also store its lm_head; the seed names of the attention site
+    are allowed, since both loaders map them (`SEED_KEY_ALIASES`)."""
+    with torch.device("meta"):
+        model = modeling_attnres.AttnResForCausalLM(modeling_attnres.AttnResConfig.from_dict(config))
+    expected = {key: tuple(shape) for key, shape in target_shapes(model).items()}
+    checkpoint = open_checkpoint(src)
+    found = {}
+    for key in checkpoint.keys():
+        ours = key
+        for pattern, name in SEED_KEY_ALIASES.items():
+            ours = re.sub(pattern, name, ours)
+        found[ours] = tuple(checkpoint.shape(key))
+    if model.config.tie_word_embeddings:
+        found.pop("lm_head.weight", None)
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    misshapen = sorted(f"{k} {found[k]} (expected {expected[k]})" for k in set(found) & set(expected)
+                       if found[k] != expected[k])
+    if missing or extra or misshapen:
+        problems = [f"{what}: {listing(keys, limit=5)}" for what, keys in (
+            ("missing", missing), ("not in the model", extra), ("misshapen", misshapen)) if keys]
+        raise ConversionError(f"SRC {src}: its tensors disagree with its config.json ({'; '.join(problems)}); "
+                              "pass the complete checkpoint (copy or convert it again), or fix config.json.")
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = False,
@@ -139,6 +167,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
     src, dst = Path(require_path(src, "SRC")), Path(require_path(dst, "DST"))
     config = read_config(src)
     check_destination(dst, src, overwrite)
+    side_files(src)                             # a broken or outside link is refused before anything is written
     config["quantization_config"] = quantization_config()
     tensors, done = quantize_tensors(open_checkpoint(src), REDUCED_MAX if reduce_range else INT8_MAX)
     if not done:

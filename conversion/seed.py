@@ -23,7 +23,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from modeling_attnres import AttnResConfig
 
-from .errors import ConversionError, UsageError, listing
+from .errors import ConversionError, listing
 from .keymap import Rule, TensorSource
 from .standard import LAYER, ROTARY_TABLES, same_keys
 
@@ -129,14 +129,18 @@ def attnres_config_from_seed(config: dict, keys: Iterable[str], seed_block_size:
     if ignored:  # training hyper-parameters and the like: not part of the model, kept out of config.json
         warnings.warn(f"Config keys that are not AttnResConfig fields were ignored: {', '.join(ignored)}")
     own = config.get("block_size")
-    if seed_block_size is not None and own is not None and int(own) != seed_block_size:
-        raise UsageError(f"--seed-block-size {seed_block_size} disagrees with the checkpoint's own block_size {own} "
-                         "(sublayers per block, in its config): a wrong schedule would convert without a word, "
-                         "since verification reads the same schedule. Drop --seed-block-size, or fix the config.")
+    if seed_block_size is not None and own is not None and own != seed_block_size:
+        # The flag wins (a training script's `block_size` may mean its context length), but not unsaid:
+        # verification reads the same schedule, so a wrong one would pass it.
+        warnings.warn(f"--seed-block-size {seed_block_size} overrides the checkpoint's own block_size {own!r}; "
+                      "the converted model mixes blocks of that many sublayers.")
     sublayers = seed_block_size if seed_block_size is not None else own
     if sublayers is not None:
         fields.pop("attn_res_block_size", None)
-        fields.update(block_size_from_sublayers(int(sublayers)))
+        if isinstance(sublayers, bool) or not isinstance(sublayers, int):
+            raise ConversionError(f"The seed checkpoint's block_size {sublayers!r} is not a number of sublayers per "
+                                  "block; pass --seed-block-size N (as in the seed pseudo-code).")
+        fields.update(block_size_from_sublayers(sublayers))
     elif config.get("model_type") != "attnres":
         raise ConversionError(
             "The seed checkpoint's block size is unknown: its config has no `block_size` (in sublayers). "

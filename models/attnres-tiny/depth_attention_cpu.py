@@ -33,6 +33,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sysconfig
 import time
 
 import torch
@@ -114,21 +116,19 @@ def compiler_flags() -> tuple[list[str], list[str]]:
 
 @contextlib.contextmanager
 def _package_ninja_first():
-    """While held, the `ninja` of the PyPI package (a dependency of attnres) comes first on PATH, where torch's
-    builder looks for it. Without this, which ninja builds depends on how Python was started: an activated
-    virtual environment finds the package's, `.venv/bin/python` run directly finds the system's or none (then
-    the build fails with ninja installed). And two ninja versions hash a build command differently (1.11 and
-    1.13 here), so each took the other's build for a changed command and rebuilt it, 30-100 s a process."""
-    try:
-        import ninja
-        folder = ninja.BIN_DIR
-    except (ImportError, AttributeError):          # no package (say, remote code elsewhere): PATH's ninja
-        folder = None
-    if folder is None or not os.path.isfile(os.path.join(folder, "ninja")):
+    """While held, the `ninja` that pip installed beside this Python (the PyPI package, a dependency of attnres)
+    comes first on PATH, where torch's builder looks for it. Without this, which ninja builds depends on how
+    Python was started: an activated virtual environment finds the package's, `.venv/bin/python` run directly
+    finds the system's or none (then the build fails with ninja installed). And two ninja versions hash a
+    build command differently (1.11 and 1.13 here), so each took the other's build for a changed command and
+    rebuilt it, 30-100 s a process. (PATH is the process's: other threads see it during the build.)"""
+    schemes = [sysconfig.get_path("scripts"), sysconfig.get_path("scripts", f"{os.name}_user")]
+    found = next((shutil.which("ninja", path=folder) for folder in schemes if folder), None)
+    if found is None:                                  # not installed by pip here: PATH's ninja, as torch finds it
         yield
         return
     before = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join([folder] + ([before] if before else []))
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(found)] + ([before] if before else []))
     try:
         yield
     finally:

@@ -248,9 +248,13 @@ def test_config_values_transformers_refuses_are_one_line(tmp_path, llama_src, ca
 
 
 def test_an_index_whose_weight_map_is_not_an_object_is_named(tmp_path, llama_src):
-    (llama_src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model-00001.safetensors"]}))
+    index = llama_src / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": ["model-00001.safetensors"]}))
     refuse(tmp_path, llama_src, r"index\.json is not a valid checkpoint index \(its weight_map is a list, expected "
                                 r"an object of tensor name -> shard file name\)")
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": 3}}))
+    refuse(tmp_path, llama_src, r"index\.json is not a valid checkpoint index \(its weight_map gives "
+                                r"'model\.norm\.weight' the shard 3, expected a file name\)")
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, llama_src, monkeypatch):
@@ -387,7 +391,9 @@ def test_side_files_are_copied_only_from_inside_the_checkpoint(tmp_path, llama_s
     refuse(tmp_path, llama_src, r"notes\.txt is a symlink to .*secret\.txt, outside the checkpoint folder")
     (llama_src / "notes.txt").unlink()
     (llama_src / "tokenizer.json").symlink_to(llama_src / "gone.json")       # a download that never finished
-    refuse(tmp_path, llama_src, r"tokenizer\.json is a broken symlink \(to .*gone\.json, which does not exist\)")
+    with pytest.MonkeyPatch.context() as patch:                              # refused before the model is written
+        patch.setattr(converter_module, "write_model", None)
+        refuse(tmp_path, llama_src, r"tokenizer\.json is a broken symlink \(to .*gone\.json, which does not exist\)")
     (llama_src / "tokenizer.json").unlink()
     (llama_src / "inside.txt").write_text("kept")
     (llama_src / "alias.txt").symlink_to(llama_src / "inside.txt")

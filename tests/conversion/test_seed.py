@@ -8,7 +8,6 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from attnres.conversion import ConversionError, ConvertOptions, convert
-from attnres.conversion.errors import UsageError
 from tests.conversion.builders import TINY, token_ids
 from tests.oracle import naive_forward
 from tests.support.models import oracle_state_dict, tiny_model
@@ -102,16 +101,20 @@ def test_missing_block_size_and_unknown_keys_are_refused(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
-def test_a_seed_block_size_that_disagrees_with_the_checkpoints_own_is_refused(tmp_path):
-    """The config's block_size and --seed-block-size are two spellings of one fact: a different flag would
-    convert with the wrong schedule, and verification (which reads the same schedule) would pass it."""
+def test_a_seed_block_size_that_overrides_the_checkpoints_own_is_said(tmp_path):
+    """The flag wins over the config's block_size (a training script's may be its context length), with a word:
+    verification reads the same schedule, so a wrong one would pass it. A block_size that is not a number
+    is named, with the flag as the fix."""
     model = tiny_model(seed=12)
-    torch.save({"model": seed_state_dict(model), "config": seed_config(model, 4)}, tmp_path / "a.pt")
-    with pytest.raises(UsageError, match=r"--seed-block-size 2 disagrees with the checkpoint's own block_size 4"):
-        convert(tmp_path / "a.pt", tmp_path / "dst", ConvertOptions(seed_block_size=2))
-    assert not (tmp_path / "dst").exists()
-    result = convert(tmp_path / "a.pt", tmp_path / "dst", ConvertOptions(seed_block_size=4))    # the same: fine
+    torch.save({"model": seed_state_dict(model), "config": seed_config(model, 8)}, tmp_path / "a.pt")
+    with pytest.warns(UserWarning, match=r"--seed-block-size 4 overrides the checkpoint's own block_size 8"):
+        result = convert(tmp_path / "a.pt", tmp_path / "dst", ConvertOptions(seed_block_size=4))
     assert result.config.attn_res_block_size == 2
+    torch.save({"model": seed_state_dict(model), "config": seed_config(model, "auto")}, tmp_path / "b.pt")
+    with pytest.raises(ConversionError, match=r"block_size 'auto' is not a number of sublayers per block; pass "
+                                              r"--seed-block-size N"):
+        convert(tmp_path / "b.pt", tmp_path / "dst2")
+    assert not (tmp_path / "dst2").exists()
 
 
 def test_training_config_junk_is_dropped_and_inapplicable_options_refused(tmp_path):

@@ -6,9 +6,9 @@ from pathlib import Path
 import attnres.conversion
 
 PACKAGE = Path(attnres.conversion.__file__).parent
-# Only the entry points (the package, the attnres-convert, attnres-retrofit and attnres-quantize commands, the eps
-# report) build on the orchestrator.
-ENTRY_POINTS = {"__init__.py", "cli.py", "eps_report.py", "retrofit.py", "quantize.py"}
+# Only the entry points (the package, the attnres-convert and attnres-retrofit commands, the eps report)
+# build on the orchestrator.
+ENTRY_POINTS = {"__init__.py", "cli.py", "eps_report.py", "retrofit.py"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -125,30 +125,52 @@ def test_refuses_a_quantized_source_and_a_non_attnres_folder(quantized, tmp_path
         quantize_checkpoint(tmp_path / "nothere", tmp_path / "out")
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("drop", r"1 AttnRes parameter\(s\) have no source tensor and no filler: model\.layers\.0\.mlp\.down_proj\.weight"),
-    ("extra", r"1 source key\(s\) match no rule of the key map: model\.bogus\.weight"),
-    ("layers", r"AttnRes parameter\(s\) have no source tensor .*model\.layers\.8\.input_layernorm\.weight")])
-def test_a_source_whose_tensors_disagree_with_its_config_is_refused(source, tmp_path, damage, message):
-    """A tensor missing, one the model does not have, or a config.json with a layer more than the weights: named,
-    and nothing published (the quantized folder would otherwise load with random weights in their place)."""
+def damaged_copy(source: Path, folder: Path, edit_weights=None, edit_config=None) -> Path:
+    """A copy of the checkpoint `source` with its weights (a dict) and config (a dict) edited in place."""
     from safetensors.torch import load_file, save_file
 
-    damaged = Path(shutil.copytree(source, tmp_path / "damaged"))
-    weights = load_file(damaged / "model.safetensors")
-    config = json.loads((damaged / "config.json").read_text())
-    if damage == "drop":
-        del weights["model.layers.0.mlp.down_proj.weight"]
-    elif damage == "extra":
-        weights["model.bogus.weight"] = torch.zeros(2)
-    else:
-        config["num_hidden_layers"] += 1
-        config.pop("layer_types", None)
-    save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
-    (damaged / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=message):
+    copy = Path(shutil.copytree(source, folder))
+    weights, config = load_file(copy / "model.safetensors"), json.loads((copy / "config.json").read_text())
+    (edit_weights or (lambda w: None))(weights)
+    (edit_config or (lambda c: None))(config)
+    save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("damage, message", [
+    (dict(edit_weights=lambda w: w.pop(DOWN)), f"(missing: {DOWN})"),
+    (dict(edit_weights=lambda w: w.update({"model.bogus.weight": torch.zeros(2)})),
+     "(not in the model: model.bogus.weight)"),
+    (dict(edit_weights=lambda w: w.update({DOWN: w[DOWN][:, :-1].clone()})),
+     f"(misshapen: {DOWN} (192, 511) (expected (192, 512)))"),
+    (dict(edit_config=lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] + 1)),
+     "(missing: model.layers.8.input_layernorm.weight"),
+    # A training wrapper's prefix: quantizing keeps every name, which the loaders would not find.
+    (dict(edit_weights=lambda w: w.update({f"module.{k}": w.pop(k) for k in list(w)})), "; not in the model: module."),
+])
+def test_a_source_whose_tensors_disagree_with_its_config_is_refused(source, tmp_path, damage, message):
+    """Named in one line, nothing published: the quantized folder would load with random weights in place of
+    what is missing or misnamed."""
+    damaged = damaged_copy(source, tmp_path / "damaged", **damage)
+    with pytest.raises(ConversionError, match="its tensors disagree with its config.json") as refused:
         quantize_checkpoint(damaged, tmp_path / "out")
+    assert message in str(refused.value) and str(refused.value).startswith(f"SRC {damaged}: ")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_checkpoint_that_stores_its_head_and_the_seed_site_names_are_accepted(source, tmp_path):
+    """Both load in transformers and vLLM: a stored copy of a tied lm_head is ignored, and `attn_res_proj` /
+    `attn_res_norm` are the seed names of the attention site, which both loaders map."""
+    def edit(w):
+        w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+        for key in [k for k in w if ".self_attention_res_" in k]:
+            w[key.replace(".self_attention_res_", ".attn_res_")] = w.pop(key)
+    quantize_checkpoint(damaged_copy(source, tmp_path / "variant", edit_weights=edit), tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_without_compressed_tensors_the_command_names_the_extra_before_any_work(source, tmp_path, monkeypatch,
