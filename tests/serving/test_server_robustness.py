@@ -245,13 +245,17 @@ def metric(server, name: str) -> float:
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(server, client):
-    # 32 sequences with 20 logprobs each make every step slow enough that the whole request takes
-    # seconds, far longer than the server takes to see the disconnect, however fast the model is.
+    # 32 sequences of 240 tokens: the engine takes seconds (3.5 s here, idle), and counts tokens as it makes them,
+    # whatever the client reads; a server that never aborts makes all n * max_tokens. Without logprobs: with
+    # them, the API server took seconds to serialise a chunk (the steps made meanwhile merged into it) and
+    # sent nothing meanwhile, so saw the disconnect only once the engine had finished (once in a full test
+    # run on a loaded machine). How much is made before the abort depends on the load (59 % with both cores
+    # busy besides the server, a few steps idle), so the test asks only that the request stopped short.
     n, max_tokens = 32, MAX_MODEL_LEN - 16
     before = metric(server, "vllm:generation_tokens_total")
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
     body = {"model": SERVED, "prompt": "def f(", "max_tokens": max_tokens, "n": n, "ignore_eos": True,
-            "stream": True, "logprobs": MAX_LOGPROBS}
+            "stream": True}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
@@ -263,7 +267,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(server, client):
         time.sleep(0.2)
     generated = metric(server, "vllm:generation_tokens_total") - before
     assert metric(server, "vllm:num_requests_running") == 0
-    assert generated < n * max_tokens / 2, f"{generated} tokens generated: the request ran on after the disconnect"
+    assert generated < n * max_tokens, f"{generated} tokens generated: the request ran on after the disconnect"
     assert_still_serving(server, client)
 
 
