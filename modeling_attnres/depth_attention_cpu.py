@@ -123,7 +123,7 @@ def _package_ninja_first():
     build command differently (1.11 and 1.13 here), so each took the other's build for a changed command and
     rebuilt it, 30-100 s a process. (PATH is the process's: other threads see it during the build.)"""
     schemes = [sysconfig.get_path("scripts"), sysconfig.get_path("scripts", f"{os.name}_user")]
-    found = next((shutil.which("ninja", path=folder) for folder in schemes if folder), None)
+    found = next(filter(None, (shutil.which("ninja", path=folder) for folder in schemes if folder)), None)
     if found is None:                                  # not installed by pip here: PATH's ninja, as torch finds it
         yield
         return

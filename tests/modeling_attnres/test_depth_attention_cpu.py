@@ -434,6 +434,23 @@ def test_the_build_runs_the_packages_ninja_whatever_comes_first_on_path(tmp_path
     assert "AttnRes" not in out.stderr                 # loaded, not rebuilt (nor failed): nothing to say
 
 
+def test_a_user_install_of_ninja_is_found_where_the_environment_has_none(monkeypatch):
+    """`pip install --user` puts ninja in the user scheme's scripts folder: used when the interpreter's own has
+    none; with neither, PATH is left as it is (torch then finds the system's, or says ninja is missing)."""
+    import shutil
+    import sysconfig
+
+    user = sysconfig.get_path("scripts", f"{os.name}_user")
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"{user}/ninja" if path == user else None)
+    with cpu._package_ninja_first():
+        assert os.environ["PATH"].split(os.pathsep)[0] == user
+    before = os.environ.get("PATH")
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
+    with cpu._package_ninja_first():
+        assert os.environ.get("PATH") == before
+    assert os.environ.get("PATH") == before
+
+
 VLLM_WITH_KERNEL = """
 import json, sys
 from torch.profiler import ProfilerActivity, profile
