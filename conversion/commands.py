@@ -13,12 +13,17 @@ from .errors import EXIT_INTERRUPTED, fail
 
 def run(prog: str, module: str) -> int:
     """Import `module` (in this package) and return what its `main()` returns; an interrupt while
-    importing ends in one line and exit status 130, before anything was read or written."""
+    importing ends in one line and exit status 130, before anything was read or written, and so does one
+    that reaches here past the command's own handler."""
     try:
         main = importlib.import_module(module, __package__).main
     except KeyboardInterrupt:
         return fail(prog, "interrupted while starting; nothing was read or written.", status=EXIT_INTERRUPTED)
-    return main()
+    try:
+        return main()
+    except KeyboardInterrupt:    # one that escaped the command's own handler, e.g. between publishing and its summary
+        return fail(prog, "interrupted; every output is published whole or not at all (staged, then renamed).",
+                    status=EXIT_INTERRUPTED)
 
 
 def convert() -> int:

@@ -1,6 +1,7 @@
 """Bad inputs: a clear error naming the value and the fix, and nothing left at DST or beside it."""
 
 import errno
+import importlib
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import attnres.conversion.converter as converter_module
 import modeling_attnres  # noqa: F401  (registers the Auto classes)
-from attnres.conversion import ConversionError, ConvertOptions, convert
+from attnres.conversion import ConversionError, ConvertOptions, commands, convert
 from attnres.conversion.cli import main
 from tests.conversion.builders import edit_config, rel_diff, save_source, source_model, token_ids
 
@@ -355,6 +356,19 @@ def test_interrupting_the_command_prints_one_line(tmp_path, llama_src, capsys, m
     last = capsys.readouterr().err.strip().splitlines()[-1]                   # after the progress bars
     assert last == f"attnres-convert: error: interrupted; nothing half-written is left at {tmp_path / 'dst'}."
     assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize", "retrofit"])
+def test_an_interrupt_past_the_commands_own_handler_prints_one_line(command, capsys, monkeypatch):
+    """Ctrl-C in the instant after a command published its output (outside the handler around its work, e.g.
+    while printing its summary) ends in exit 130 and one line, not a traceback."""
+    module = {"convert": "cli"}.get(command, command)
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(importlib.import_module(f"attnres.conversion.{module}"), "main", interrupted)
+    assert getattr(commands, command)() == 130
+    assert capsys.readouterr().err.splitlines() == [
+        f"attnres-{command}: error: interrupted; every output is published whole or not at all (staged, then renamed)."]
 
 
 @pytest.mark.timeout(120)
