@@ -15,10 +15,11 @@ puts back on top of a fresh conversion of the same source.
         --export-depth depth.safetensors --steps 60 --seq-len 128 --batch-size 4
 
 The corpus is a text file or a folder of them (`--pattern`, default `*.txt`, `*.md`, `*.rst`),
-read in sorted order; a file is held out when `sha256(relative path) % 100 < --validation-percent`,
-and the held-out loss is reported before and after training. Checkpoints go to `--work-dir` every
-`--save-every` steps; `--resume` continues from the last one exactly (same batches, same result), and only
-the run that wrote them: the same model files, corpus and options (`retrofit_work.check_resumable`).
+read in sorted order; a file is held out when `sha256(relative path) % 100 < --validation-percent`
+(a corpus of one file holds out its last `--validation-percent` % of lines), and the held-out loss is
+reported before and after training. Checkpoints go to `--work-dir` every `--save-every` steps; `--resume`
+continues from the last one exactly (same batches, same result), and only the run that wrote them: the
+same model files, corpus and options (`retrofit_work.check_resumable`).
 Runs under `accelerate launch --multi_gpu --num_processes N` unchanged (DDP; gloo on CPUs):
 `--batch-size` is the global batch, split evenly over the processes, so the loss curve matches one
 process. FSDP goes through the Trainer's accelerate integration, which shards only on GPUs and other
@@ -218,19 +219,39 @@ def corpus_files(corpus: Path, patterns: tuple[str, ...]) -> list[tuple[str, Pat
 
 
 def read_corpus(corpus: Path, patterns: tuple[str, ...], percent: int) -> dict[str, list[str]]:
-    """`{"train": [...], "validation": [...]}` non-empty file texts; both splits must be non-empty."""
-    splits: dict[str, list[str]] = {"train": [], "validation": []}
-    for rel, path in corpus_files(corpus, patterns):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if text.strip():
-            splits["validation" if is_validation(rel, percent) else "train"].append(text)
-    if not splits["train"] and not splits["validation"]:
+    """`{"train": [...], "validation": [...]}` non-empty file texts; both splits must be non-empty. A corpus
+    of one non-blank file (a file, or a folder holding one) is split by position (`split_text`): a hash of
+    one path would put the whole corpus on one side."""
+    texts = {rel: path.read_text(encoding="utf-8", errors="replace") for rel, path in corpus_files(corpus, patterns)}
+    texts = {rel: text for rel, text in texts.items() if text.strip()}
+    if not texts:
         raise RetrofitError(f"corpus {corpus} is empty: every matching file is blank")
+    if len(texts) == 1:
+        (rel, text), = texts.items()
+        return split_text(text, percent, f"corpus {corpus} ({rel}, its only non-blank file)")
+    splits: dict[str, list[str]] = {"train": [], "validation": []}
+    for rel, text in texts.items():
+        splits["validation" if is_validation(rel, percent) else "train"].append(text)
     for split, other in (("train", "validation"), ("validation", "train")):
         if not splits[split]:
             raise RetrofitError(f"corpus {corpus}: no {split} files ({len(splits[other])} {other} files at "
                                 f"--validation-percent {percent}); add files or change --validation-percent")
     return splits
+
+
+def split_text(text: str, percent: int, what: str) -> dict[str, list[str]]:
+    """One text's splits: its last `percent` % of lines held out (at least one line; the cut by characters
+    when it has one line), the rest trained on."""
+    lines = text.splitlines(keepends=True)
+    if len(lines) == 1:
+        cut = len(text) * (100 - percent) // 100
+        parts = [text[:cut], text[cut:]]
+    else:
+        cut = min(len(lines) - 1, max(1, round(len(lines) * (100 - percent) / 100)))
+        parts = ["".join(lines[:cut]), "".join(lines[cut:])]
+    if not all(part.strip() for part in parts):
+        raise RetrofitError(f"{what} is too short to split into train and validation text; add text or files")
+    return {"train": [parts[0]], "validation": [parts[1]]}
 
 
 def token_windows(tokenizer, texts: list[str], seq_len: int, what: str) -> torch.Tensor:

@@ -211,6 +211,25 @@ def test_errors_name_the_problem(zeroed, corpus, tmp_path, capsys):
         assert f"argument {option}: is empty ('')" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_a_corpus_of_one_file_holds_out_its_last_lines(tmp_path):
+    """One file (given itself, or alone in a folder) is split by position: a hash of its path would put the
+    whole corpus on one side, and the run could never start."""
+    lines = [f"line {i}\n" for i in range(20)]
+    (tmp_path / "folder").mkdir()
+    for corpus in (tmp_path / "one.txt", tmp_path / "folder" / "only.txt"):
+        corpus.write_text("".join(lines))
+        assert retrofit.read_corpus(corpus, ("*.txt",), 10) == {"train": ["".join(lines[:18])],
+                                                                "validation": ["".join(lines[18:])]}
+    assert retrofit.read_corpus(tmp_path / "folder", ("*.txt",), 25)["validation"] == ["".join(lines[15:])]
+    assert retrofit.read_corpus(tmp_path / "one.txt", ("*.txt",), 99)["train"] == [lines[0]]   # a line each, at least
+    (tmp_path / "long.txt").write_text("x" * 90 + "y" * 10)
+    assert retrofit.read_corpus(tmp_path / "long.txt", ("*.txt",), 10) == {"train": ["x" * 90],
+                                                                           "validation": ["y" * 10]}
+    (tmp_path / "short.txt").write_text("z")
+    with pytest.raises(retrofit.RetrofitError, match=r"short\.txt, its only non-blank file\) is too short to split"):
+        retrofit.read_corpus(tmp_path / "short.txt", ("*.txt",), 10)
+
+
 def test_a_checkpoint_whose_weights_disagree_with_its_config_is_refused_before_training(zeroed, corpus, tmp_path,
                                                                                         capsys):
     """A tensor missing (transformers would start it from random values, which the default --train depth
