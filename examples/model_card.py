@@ -65,7 +65,25 @@ def speed_line(m: dict) -> str:
     seconds, rate = m.get("train_seconds_total") or m.get("train_seconds_this_run"), m.get("tokens_per_s")
     if not seconds or not rate:
         return ""
-    return f" Training took {seconds / 60:.0f} min at {rate:.0f} tokens/s (one thread of a busy shared CPU)."
+    took = f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+    return f" Training took {took} at {rate:.0f} tokens/s (one thread of a busy shared CPU)."
+
+
+def corpus_text(args) -> str:
+    """What the model was trained on: the default corpus (this Python's standard library) or `--corpus-root`."""
+    if args.corpus_root is None:
+        return f"CPython {sys.version.split()[0]}'s standard-library sources (`.py` files, test suites excluded)"
+    return f"the `.py` files under `{args.corpus_root}` (test folders excluded)"
+
+
+def limitations_text(m: dict) -> str:
+    """The card's limitations line, from this run's size and the share of its corpus it saw."""
+    seen = ""
+    if m.get("corpus_train_tokens"):
+        seen = (f" and {m['train_tokens'] / m['corpus_train_tokens']:.3g} epochs of a "
+                f"{m['corpus_train_tokens'] / 1e6:.2f}M-token training split")
+    return (f"Limitations: {m['params'] / 1e6:.2f}M parameters{seen}; a model this small writes "
+            "plausible-looking but mostly meaningless Python.")
 
 
 def card_text(model, args, m: dict, defaults: dict) -> str:
@@ -87,11 +105,10 @@ tags: [attnres, attention-residuals, code, tiny]
 
 # {Path(args.out).name}
 
-A tiny {arch} language model trained from scratch on CPython {sys.version.split()[0]}'s standard-library
-sources (`.py` files, test suites excluded), as the built-in demo model of the `attnres` project
-(Attention Residuals, Kimi Team, arXiv:2603.15031). It completes Python code; it is not an
-instruction or chat model (the chat template simply concatenates the message contents, so a chat
-request continues the code it contains).
+A tiny {arch} language model trained from scratch on {corpus_text(args)},
+as the built-in demo model of the `attnres` project (Attention Residuals, Kimi Team, arXiv:2603.15031).
+It completes Python code; it is not an instruction or chat model (the chat template simply concatenates
+the message contents, so a chat request continues the code it contains).
 
 ## Model
 
@@ -116,7 +133,7 @@ when `sha256(relative path) % 100 < {args.validation_percent}`. Reproduce with:
 ## Evaluation
 
 - Validation loss: {m['val_loss']:.4f} nats/token (perplexity {m['val_ppl']:.2f}) on {m['val_tokens']:,}
-  predicted tokens of held-out stdlib files; a uniform guess scores ln({cfg.vocab_size}) = {m['uniform_loss']:.3f}.
+  predicted tokens of held-out corpus files; a uniform guess scores ln({cfg.vocab_size}) = {m['uniform_loss']:.3f}.
 - {HELDOUT_LINE.format(loss=m['heldout_loss'])} on `{HELDOUT_FILE}` (the first lines of the
   validation files, {m['heldout_windows']} windows of {args.seq_len} tokens), as computed by
   `examples/attnres_data.py:heldout_loss`; the project's tests re-measure it.
@@ -133,6 +150,5 @@ ids = tok("class Reader:\\n    def __init__(self", return_tensors="pt").input_id
 print(tok.decode(model.generate(ids, max_new_tokens=64)[0]))
 ```
 
-Limitations: a few million parameters and well under one epoch of a 3M-token corpus; it writes
-plausible-looking but mostly meaningless Python.
+{limitations_text(m)}
 """

@@ -44,7 +44,7 @@ RESUME_KEYS = ("arch", "seed", "vocab_size", "seq_len", "batch_size", "steps", "
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Command-line options; defaults train the shipped model (~10 minutes on one CPU core)."""
+    """Command-line options; defaults train the shipped model (under an hour on one CPU thread)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=ARCHS, default="block", help="residual path (default: block)")
     p.add_argument("--out", type=Path, help="write the trained model folder here (save_pretrained layout)")
@@ -81,11 +81,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Reject values that would only fail later, naming the value and the fix."""
-    for name in ("steps", "batch_size", "seq_len", "hidden_size", "layers", "heads", "vocab_size"):
+    for name in ("steps", "batch_size", "seq_len", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
+                 "vocab_size", "block_size", "eval_windows", "checkpoint_every", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hidden_size % args.heads:
         raise SystemExit(f"error: --hidden-size {args.hidden_size} must be a multiple of --heads {args.heads}")
+    if args.heads % args.kv_heads:
+        raise SystemExit(f"error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if not 0 < args.validation_percent < 100:
+        raise SystemExit(f"error: --validation-percent must be in 1..99, got {args.validation_percent}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size % world:
         raise SystemExit(f"error: --batch-size {args.batch_size} (the global batch) must be a multiple of the "
@@ -354,6 +359,7 @@ def run_training(args) -> dict:
     bar.close()
     elapsed = time.perf_counter() - began
     metrics = {"arch": args.arch, "steps_done": stop, "train_tokens": stop * tokens_per_step,
+               "corpus_train_tokens": train_chunks.numel(),
                "final_train_loss": history[-1] if history else None, "history": history,
                "tokens_per_s": (stop - start) * tokens_per_step / elapsed if stop > start else None,
                "train_seconds_this_run": elapsed, "train_seconds_total": before + elapsed}

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import train
+from transformers import AutoModelForCausalLM
 
 from tests.support.training import TRAIN_ARGS
 
@@ -84,6 +85,27 @@ def test_bad_arguments_name_the_value():
         train.check_args(args)
     with pytest.raises(SystemExit, match="corpus root /nonexistent/corpus is not a directory"):
         train.main(["--corpus-root", "/nonexistent/corpus", "--work-dir", "/nonexistent/work"])
+    for option in ("--eval-windows", "--checkpoint-every", "--threads", "--block-size", "--kv-heads"):
+        with pytest.raises(SystemExit, match=f"error: {option} must be >= 1, got 0"):  # not a crash after training
+            train.check_args(train.parse_args([option, "0"]))
+    with pytest.raises(SystemExit, match="--heads 4 must be a multiple of --kv-heads 3"):
+        train.check_args(train.parse_args(["--kv-heads", "3"]))
+    with pytest.raises(SystemExit, match="--validation-percent must be in 1..99, got 0"):
+        train.check_args(train.parse_args(["--validation-percent", "0"]))
+
+
+def test_the_model_card_describes_this_run(tiny_corpus, tmp_path):
+    """The card of a run on another corpus names that corpus and this run's size, not the shipped model's."""
+    run(tiny_corpus, tmp_path / "work", "--steps", "4", "--out", str(tmp_path / "out"))
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"trained from scratch on the `.py` files under `{tiny_corpus}`" in card
+    assert "standard-library" not in card and "stdlib" not in card and "3M-token" not in card
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    params = sum(p.numel() for p in model.parameters())
+    split = sum(len(text) for text in train.data.read_texts(tiny_corpus, 20)["train"])   # characters >= tokens
+    assert f"Limitations: {params / 1e6:.2f}M parameters and " in card
+    epochs = float(card.split("Limitations: ")[1].split(" and ")[1].split(" epochs")[0])
+    assert 4 * 4 * 32 / split <= epochs <= 4 * 4 * 32 / (split / 8)     # 4 steps of 4 x 32 tokens
 
 
 def test_model_card_does_not_import_the_training_script():
