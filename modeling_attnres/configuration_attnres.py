@@ -9,17 +9,26 @@ types on construction and assignment, and runs every `validate_*` method on cons
 import dataclasses
 import difflib
 import functools
+import logging
 import math
 import os
 import re
 from pathlib import Path
 from typing import NamedTuple
 
-from huggingface_hub.dataclasses import strict
-from transformers.activations import ACT2FN
-from transformers.models.llama.configuration_llama import LlamaConfig
+import transformers
 
-from .depth_attention import BANK_DTYPES
+# Hub remote code runs in whatever transformers the user has: name the requirement before an import of a
+# 5.x-only name (below, and in the sibling files) fails on its own name.
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"AttnRes models need transformers >= 5.16.1, found {transformers.__version__}; "
+                      "upgrade it with `pip install -U 'transformers>=5.16.1'`")
+
+from huggingface_hub.dataclasses import strict  # noqa: E402
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.models.llama.configuration_llama import LlamaConfig  # noqa: E402
+
+from .depth_attention import BANK_DTYPES  # noqa: E402
 
 ATTN_RES_MODES = ("block", "full")
 MAX_SIZE = 2**31 - 1          # any one tensor dimension
@@ -61,6 +70,17 @@ class DepthSite(NamedTuple):
     index: int          # attention site of layer l: 2l, its MLP site: 2l + 1, the output site: 2L
     num_stored: int     # stored sources the site reads; the running partial comes on top
     closes_block: bool  # after mixing, the partial becomes a stored source and a new partial starts
+
+
+@functools.cache
+def warn_one_block(block_size: int, num_hidden_layers: int) -> None:
+    """Warn (once per pair) that blocks longer than the model leave one block: a valid config, but more likely
+    a mistaken value (a context length, a block count) than a model that means to mix only two sources."""
+    logging.getLogger(__name__).warning(
+        "AttnResConfig.attn_res_block_size %d is more than num_hidden_layers %d: the model has one block, so every "
+        "site mixes only the embedding and the running sum of the layers. If you meant several blocks, the paper "
+        "recommends about 8: attn_res_block_size = ceil(num_hidden_layers / 8) = %d.",
+        block_size, num_hidden_layers, -(-num_hidden_layers // 8))
 
 
 @strict
@@ -269,6 +289,8 @@ class AttnResConfig(LlamaConfig):
                 f"AttnResConfig.attn_res_block_size is the number of transformer layers per block and must be "
                 f">= 1, got {self.attn_res_block_size}. {fix}."
             )
+        if self.attn_res_mode == "block" and self.attn_res_block_size > self.num_hidden_layers:
+            warn_one_block(self.attn_res_block_size, self.num_hidden_layers)
 
     def validate_attn_res_bank_dtype(self):
         """The stored-block dtype; runs on construction and load."""

@@ -1,6 +1,9 @@
 """AttnResConfig: defaults, round trips and clear errors at construction and load."""
 
+import importlib.util
 import json
+import logging
+import sys
 
 import pytest
 from huggingface_hub.errors import (
@@ -10,7 +13,7 @@ from huggingface_hub.errors import (
 )
 from transformers import AutoConfig
 
-from modeling_attnres import AttnResConfig
+from modeling_attnres import AttnResConfig, configuration_attnres
 from tests.support.models import tiny_config
 
 
@@ -187,3 +190,28 @@ def test_a_misspelt_depth_field_set_after_construction_is_refused_before_it_is_s
 def test_a_config_json_that_is_not_an_object_is_named():
     with pytest.raises(ValueError, match="config.json holds a JSON list, not an object of config fields"):
         AttnResConfig.from_dict([])
+
+
+def test_blocks_longer_than_the_model_are_named_in_a_warning(caplog):
+    """A block size above the layer count (a context length or block count by mistake) leaves one block:
+    valid, so a warning naming both numbers and the paper's recommendation, not an error."""
+    configuration_attnres.warn_one_block.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=configuration_attnres.__name__):
+        tiny_config(num_hidden_layers=4, attn_res_block_size=4)                   # one block, as meant: no word
+        tiny_config(num_hidden_layers=4, attn_res_mode="full", attn_res_block_size=99)   # not read
+        assert caplog.messages == []
+        config = tiny_config(num_hidden_layers=4, attn_res_block_size=99)
+    assert caplog.messages == [
+        "AttnResConfig.attn_res_block_size 99 is more than num_hidden_layers 4: the model has one block, so every "
+        "site mixes only the embedding and the running sum of the layers. If you meant several blocks, the paper "
+        "recommends about 8: attn_res_block_size = ceil(num_hidden_layers / 8) = 1."]
+    assert config.num_depth_sources == 2                                          # what the warning says
+
+
+def test_an_older_transformers_is_named_before_a_missing_import(monkeypatch):
+    """Hub remote code runs in the user's transformers: a 4.x release gets the requirement, not an ImportError
+    on some 5.x-only name."""
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")   # what `import transformers` gives
+    spec = importlib.util.spec_from_file_location("attnres_version_probe", configuration_attnres.__file__)
+    with pytest.raises(ImportError, match=r"AttnRes models need transformers >= 5\.16\.1, found 4\.57\.1; upgrade "):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
