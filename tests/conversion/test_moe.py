@@ -2,11 +2,15 @@
 exact at eps=0 (tests/conversion/test_standard.py), the same experts chosen for every token and layer, the
 same load-balancing loss, the routing reported by the verification; quantization refused clearly."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from attnres.conversion import ConversionError, ConvertOptions, convert
+import attnres.conversion.converter as converter_module
+from attnres.conversion import ConversionError, ConvertOptions, convert, keymap
 from attnres.conversion.quantize import quantize_checkpoint
+from attnres.conversion.standard import standard_rules
 from tests.conversion.builders import MOE_SOURCES, save_source, source_model, token_ids
 from tests.support.reference import load_hf
 
@@ -73,3 +77,17 @@ def test_quantize_refuses_a_mixture_of_experts(tmp_path):
     with pytest.raises(ConversionError, match="is a mixture of experts \\(4 experts\\): attnres-quantize writes W8A8"):
         quantize_checkpoint(tmp_path / "attnres", tmp_path / "w8a8")
     assert not (tmp_path / "w8a8").exists()
+
+
+def test_a_router_the_converter_changed_shows_in_the_routing_agreement(tmp_path, monkeypatch):
+    """A converter bug in the router (its logits negated: other experts chosen) is measured by the verification,
+    not assumed: the agreement drops far below 1 and the report says so."""
+    monkeypatch.setitem(keymap.TRANSFORMS, "negate", lambda t, ctx: -t)
+    def buggy_rules(config, source):
+        return tuple(dataclasses.replace(rule, transform="negate") if rule.target and rule.target.endswith(
+            "mlp.gate.weight") else rule for rule in standard_rules(config, source))
+    monkeypatch.setattr(converter_module, "standard_rules", buggy_rules)
+    save_source(source_model("qwen2_moe", eps=1e-7, seed=4), tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(keep_failed=True)).verification
+    assert report.routing_agreement < 0.5 and not report.passed
+    assert f"routing: {100 * report.routing_agreement:.1f}% of (token, sparse layer) pairs" in "\n".join(report.lines())

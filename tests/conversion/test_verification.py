@@ -9,7 +9,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import attnres.conversion.converter as converter_module
 from attnres.conversion import ConvertOptions, VerificationFailed, convert
@@ -92,3 +93,23 @@ def test_verification_prompts_hold_distinct_tokens_and_fit_the_positions(tmp_pat
     ids = prompt_ids(src, 97)
     assert all(x.unique().numel() >= 3 for x in ids) and [x.shape[1] for x in ids] == [6, 9, 12]
     assert [x.shape[1] for x in prompt_ids(src, 97, max_positions=NEW_TOKENS + 7)] == [6, 7, 7]
+
+
+def test_the_reported_numbers_are_the_source_against_the_output(tmp_path):
+    """The headline numbers of a calibrated conversion (eps > 0: the output differs from the source by the eps
+    effect), recomputed here from the source's own transformers class and the published checkpoint on the same
+    prompts: the report compares the source as given (its eps untouched by the calibration) with the output."""
+    src = save_source(source_model("llama", eps=1e-4, seed=5), tmp_path / "src")
+    result = convert(src, tmp_path / "dst", ConvertOptions(keep_failed=True))
+    report = result.verification
+    assert result.stream_scale != 1 or report.max_abs_diff > 0         # a real difference to measure
+    source = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    output = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32).eval()
+    ids = prompt_ids(src, source.config.vocab_size, source.config.max_position_embeddings)
+    with torch.no_grad():
+        want, got = [source(x).logits for x in ids], [output(x).logits for x in ids]
+    diff = max(float((a - b).abs().max()) for a, b in zip(want, got))
+    agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).flatten() for a, b in zip(want, got)]).float().mean()
+    assert diff > 1e-6 and report.max_abs_diff == pytest.approx(diff, rel=1e-3)
+    assert report.logit_scale == pytest.approx(max(float(a.abs().max()) for a in want), rel=1e-6)
+    assert report.argmax_agreement == pytest.approx(float(agree))
