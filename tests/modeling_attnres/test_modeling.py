@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from modeling_attnres import AttnResForCausalLM, AttnResModel, depth_attention_cpu
-from tests.support.models import tiny_config, tiny_model
+from tests.support.models import randomize_depth_parameters, tiny_config, tiny_model
 
 
 def spec_parameter_names(num_layers, attention_bias=False, qk_norm=False, tied=False):
@@ -284,6 +284,31 @@ def test_hidden_states_and_depth_attentions_outputs():
     assert counts == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]      # emb | +block 1 (layers 0-1) | +block 2 | partial
     for w in out.depth_attentions:
         torch.testing.assert_close(w.sum(-1), torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_hidden_states_are_the_residual_stream(mode):
+    """`hidden_states[0]` is the embedding, entry l + 1 the stream after layer l (the embedding plus every
+    sublayer output so far: what a standard residual stream holds, summed here from the sublayers' own outputs
+    caught by hooks), the last the final norm's output (as Llama's)."""
+    model = tiny_model(seed=10, num_hidden_layers=5, attn_res_block_size=2, attn_res_mode=mode)
+    randomize_depth_parameters(model, seed=3)
+    outputs = []
+    for layer in model.model.layers:
+        for sublayer in (layer.self_attn, layer.mlp):
+            sublayer.register_forward_hook(lambda m, args, out: outputs.append(out[0] if isinstance(out, tuple)
+                                                                               else out))
+    ids = torch.randint(3, model.config.vocab_size, (2, 4))
+    with torch.no_grad():
+        out = model.model(ids, output_hidden_states=True)
+        embedding = model.model.embed_tokens(ids)
+    assert len(out.hidden_states) == 6 and len(outputs) == 10
+    assert torch.equal(out.hidden_states[0], embedding)
+    stream = embedding.double()
+    for l in range(4):
+        stream = stream + outputs[2 * l].double() + outputs[2 * l + 1].double()
+        torch.testing.assert_close(out.hidden_states[l + 1].double(), stream, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.hidden_states[-1], out.last_hidden_state)
 
 
 @pytest.mark.timeout(600)
