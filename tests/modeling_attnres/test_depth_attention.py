@@ -219,3 +219,27 @@ def test_site_bank_has_room_for_every_source_of_the_schedule(monkeypatch):
         assert site_bank(embeds, config).storage.dtype == torch.bfloat16
         config.attn_res_bank_dtype = "float32"
         assert site_bank(embeds, config).storage.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_site_push_stores_the_partial_on_each_backend(monkeypatch, kernel):
+    """`site_push`, the unfused block store (`site_mix`'s sibling), on the torch path and the C++ kernel: a
+    closing site stores the partial rounded to the bank's dtype with its inverse RMS and starts a new partial;
+    another site passes both through."""
+    import modeling_attnres.depth_attention_ops as ops
+
+    if not kernel:
+        monkeypatch.setattr(ops, "cpu_kernel_applies", lambda x: False)
+    sources, _, _ = random_case(3, dtype=torch.float32)
+    partial = sources[2]
+    with torch.no_grad():
+        bank = empty_bank(partial, capacity=3, dtype=torch.bfloat16)
+        for source in sources[:2]:
+            bank = push_source(bank, source, EPS)
+        assert ops.site_push(bank, partial, False, EPS) == (bank, partial)
+        pushed, new_partial = ops.site_push(bank, partial, True, EPS)
+    rounded = partial.to(torch.bfloat16)
+    assert new_partial is None and pushed.num_stored == 3
+    assert torch.equal(pushed.sources[..., 2, :], rounded)
+    expected = 1 / torch.sqrt(rounded.double().pow(2).mean(-1) + EPS)
+    torch.testing.assert_close(pushed.inv_rms[..., 2], expected.float())
