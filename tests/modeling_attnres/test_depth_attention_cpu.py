@@ -11,7 +11,7 @@ import torch
 import modeling_attnres.depth_attention_cpu as cpu
 from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
 from modeling_attnres.depth_attention_ops import site_bank, site_mix
-from tests.oracle import naive_mix
+from tests.oracle import naive_forward, naive_mix
 from tests.support.models import tiny_model
 
 EPS = 1e-6
@@ -233,8 +233,13 @@ def test_model_with_the_kernel_matches_the_torch_path(mode, dtype):
             ref_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
         finally:
             cpu.enable_cpu_kernel()
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2                 # bfloat16: measured 4.9e-3 at logits <= 0.39
     torch.testing.assert_close(fused.logits.float(), ref.logits.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:      # both against the exact answer: the kernel's rounding no worse than torch's
+        exact = naive_forward({k: v.double() for k, v in model.state_dict().items()}, model.config, ids)
+        def error(logits):
+            return float((logits.double() - exact).abs().max() / exact.abs().max())
+        assert error(fused.logits) <= 1.25 * error(ref.logits) + 1e-3, (error(fused.logits), error(ref.logits))
     # bfloat16 with the default bank ("auto"): the kernel stores blocks in bfloat16, the eager torch
     # path in float32 (`site_bank`), and every later site reads inputs that already differ by that
     # rounding, carried through bfloat16 layers: weights to the logits' bfloat16 tolerance. float32:
