@@ -247,7 +247,7 @@ def memory_rows(args) -> tuple[list[list], list[list]]:
                      f"**{peak['attnres'] / peak['llama']:.3f}**", f"**{peak['llama-2'] / peak['llama']:.3f}**",
                      *(f"{own[k]:.1f}" for k in MODELS), *(f"{held[k]:.1f}" for k in MODELS),
                      f"{held['attnres'] - held['llama']:+.1f}", f"{held['llama-2'] - held['llama']:+.1f}",
-                     f"{res['attnres'][0]['bank_mib']:.1f}", args.memory_probes])
+                     f"{res['attnres'][0]['bank_mib']:.3f}", args.memory_probes])
         layer_rows += layer_memory_rows(res, dtype_name)
     return rows, layer_rows
 
