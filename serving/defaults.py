@@ -17,11 +17,12 @@ A built-in model whose shipped files are missing from the install is refused in 
 else is served in its place. Built models live in `publish.user_cache_dir()`.
 """
 
+import errno
 import functools
 import os
 import sys
 
-from attnres.conversion.errors import UsageError
+from attnres.conversion.errors import ConversionError, UsageError
 from attnres.conversion.publish import user_cache_dir
 from attnres.models import MissingShippedFile, shipped_model_path
 
@@ -39,9 +40,24 @@ RANDOM_MODEL = BUILTIN + RANDOM_SERVED_NAME
 BUILTIN_MODELS = (DEFAULT_MODEL, RETROFIT_MODEL, SHIPPED_MODEL, RANDOM_MODEL)
 
 
+class CacheUnusable(ConversionError):
+    """The cache folder cannot hold a built model: a setting to fix, never a reason to serve another model."""
+
+
 def cache_dir():
-    """Where built models live (`publish.user_cache_dir`; not in the repository)."""
-    return user_cache_dir()
+    """Where built models live (`publish.user_cache_dir`; not in the repository), created if missing;
+    `CacheUnusable` names the folder, the setting it came from and the fix when it is not a writable folder."""
+    folder = user_cache_dir()
+    source = next((f"${name}" for name in ("ATTNRES_CACHE_DIR", "XDG_CACHE_HOME") if os.environ.get(name)),
+                  "the default, ~/.cache/attnres")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as err:
+        raise CacheUnusable(f"the cache folder {folder} (from {source}) is not a writable folder "
+                            f"({err.strerror or err}); set ATTNRES_CACHE_DIR to one") from err
+    return folder
 
 
 def served_name(model: str) -> str | None:
@@ -77,12 +93,11 @@ def resolve_model(name: str, prog: str = "attnres-serve") -> str:
 def resolve_default() -> tuple[str, str]:
     """`(folder, served name)` of the default model, or of the shipped `attnres-tiny` when the default
     cannot be built here (no registry, a wrong download, a failed verification), said in one line on
-    stderr. A missing shipped file is never worked around: it raises `MissingShippedFile`."""
-    from attnres.conversion import ConversionError
-
+    stderr. A missing shipped file or an unusable cache folder is never worked around: it raises
+    `MissingShippedFile` or `CacheUnusable`."""
     try:
         return resolve_model(DEFAULT_MODEL), DEFAULT_SERVED_NAME
-    except MissingShippedFile:
+    except (MissingShippedFile, CacheUnusable):
         raise
     except (default_model.DefaultModelUnavailable, ConversionError, OSError) as err:
         folder = resolve_model(SHIPPED_MODEL)
@@ -92,5 +107,6 @@ def resolve_default() -> tuple[str, str]:
         return folder, SHIPPED_SERVED_NAME
 
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "DEFAULT_SERVED_NAME", "RANDOM_MODEL", "RANDOM_SERVED_NAME",
-           "SHIPPED_MODEL", "SHIPPED_SERVED_NAME", "cache_dir", "resolve_default", "resolve_model", "served_name"]
+__all__ = ["BUILTIN_MODELS", "CacheUnusable", "DEFAULT_MODEL", "DEFAULT_SERVED_NAME", "RANDOM_MODEL",
+           "RANDOM_SERVED_NAME", "SHIPPED_MODEL", "SHIPPED_SERVED_NAME", "cache_dir", "resolve_default",
+           "resolve_model", "served_name"]

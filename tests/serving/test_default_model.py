@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from attnres.conversion import ConversionError
 from attnres.conversion.retrofit import RetrofitError, export_depth
 from attnres.models import shipped_model_path
-from attnres.serving import cli, default_model
+from attnres.serving import cli, default_model, defaults
 from attnres.serving.default_model import BUILD_INFO, SERVED_NAME, DefaultModelUnavailable, ensure_default_model
 from attnres.serving.defaults import SHIPPED_SERVED_NAME
 from attnres.serving.launcher import ServerProcess
@@ -310,3 +310,25 @@ def test_the_real_default_answers_through_the_openai_client(real_default_model):
     answer = response.choices[0].message.content
     print(f"answer: {answer!r}")
     assert "Paris" in answer, answer
+
+
+def test_an_unusable_cache_folder_is_named_and_never_served_around(tmp_path, monkeypatch, capsys):
+    """A cache path under a file, or a file itself: one line naming the folder, the variable it came from and the
+    fix, exit 1; not the bare OS error, and not the shipped model served in the default's place."""
+    import vllm.entrypoints.cli.main
+
+    def started():
+        raise AssertionError("vLLM was started")
+    monkeypatch.setattr(vllm.entrypoints.cli.main, "main", started)
+    (tmp_path / "afile").write_text("")
+    for cache in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        monkeypatch.setenv("ATTNRES_CACHE_DIR", str(cache))
+        for argv in ([], ["builtin:attnres-random"]):
+            with pytest.raises(SystemExit) as exited:
+                cli.main(argv)
+            err = capsys.readouterr().err.splitlines()
+            assert exited.value.code == 1 and err == [
+                f"attnres-serve: error: the cache folder {cache} (from $ATTNRES_CACHE_DIR) is not a writable folder "
+                f"({'File exists' if cache.name == 'afile' else 'Not a directory'}); set ATTNRES_CACHE_DIR to one"], err
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "new" / "cache"))
+    assert defaults.cache_dir() == tmp_path / "new" / "cache" and (tmp_path / "new" / "cache").is_dir()
