@@ -411,23 +411,90 @@ def int8_warning(vllm_args: list[str], cpu: bool, flags: set[str] | None = None)
             "`attnres-quantize SRC DST --reduce-range`, or serve the unquantized model")
 
 
+def model_argument(vllm_args: list[str]) -> str | None:
+    """The model of a `vllm serve` command line: the first positional argument, or `--model`."""
+    if len(vllm_args) > 1 and not vllm_args[1].startswith("-"):
+        return vllm_args[1]
+    return option_value(vllm_args, "--model")
+
+
+def is_local_path(model: str) -> bool:
+    """Whether vLLM should read `model` as a path rather than a Hub repo id: absolute, `.` / `~`-relative, more
+    than one `/`, or `NAME/REST` where NAME is a folder here (`out/model`: a missing path, not a repo id)."""
+    path = os.path.expanduser(model)
+    return (os.path.isabs(path) or model.startswith((".", "~")) or model.count("/") > 1
+            or (model.count("/") == 1 and os.path.isdir(model.split("/")[0])))
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """What vLLM would refuse in a local AttnRes checkpoint only after loading its engine, as a traceback: a
+    config.json that is not JSON, config values `AttnResConfig` refuses, tensors that disagree with the config
+    (`check_checkpoint_against_config`, safetensors headers only). `None` for a sound one, and for another
+    architecture (`architecture_warning`)."""
+    config_file = os.path.join(folder, "config.json")
+    try:
+        with open(config_file, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"cannot read {config_file} as JSON ({err}); replace it with the config.json the model was saved with"
+    if not is_attnres_config(raw):
+        return None
+    from huggingface_hub.errors import StrictDataclassError
+
+    from modeling_attnres import AttnResConfig
+    from modeling_attnres.configuration_attnres import check_checkpoint_against_config
+
+    try:
+        check_checkpoint_against_config(folder, AttnResConfig.from_pretrained(folder))
+    except (ValueError, OSError, StrictDataclassError) as err:
+        cause = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err   # the validator's
+        return f"{folder} cannot be served: {cause}"
+    return None
+
+
+def is_attnres_config(raw) -> bool:
+    """Whether a config.json's contents name this architecture (or another AttnRes code's, which the model's
+    own checks refuse with their fix)."""
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    return not isinstance(raw, dict) or raw.get("model_type") == "attnres" or any(
+        str(name).startswith("AttnRes") for name in (architectures if isinstance(architectures, list) else []))
+
+
+def architecture_warning(vllm_args: list[str]) -> str | None:
+    """A local checkpoint of another architecture (a Llama not yet converted): vLLM serves it with its own
+    class, without depth attention, which is right for a baseline and a surprise otherwise."""
+    model = model_argument(vllm_args)
+    config_file = os.path.join(os.path.expanduser(model), "config.json") if model else ""
+    try:
+        with open(config_file, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if is_attnres_config(raw):
+        return None
+    return (f"{model} is not an AttnRes checkpoint (model_type {raw.get('model_type')!r}, architectures "
+            f"{raw.get('architectures')}): vLLM serves it with its own class, without depth attention; to serve it "
+            f"as AttnRes, convert it first: attnres-convert {model} DST")
+
+
 def startup_problem(vllm_args: list[str]) -> str | None:
     """Why `vllm vllm_args` cannot start, in one line, for the mistakes vLLM reports only after tens of
     seconds of imports and as a traceback: a local model path that does not exist (or holds no
-    config.json) and a port that is already taken. `None` when neither applies."""
+    config.json), a local AttnRes checkpoint it would refuse (`checkpoint_problem`) and a port that is
+    already taken. `None` when none applies."""
     if not vllm_args or vllm_args[0] != "serve" or has_option(vllm_args, "-h", "--help"):
         return None
 
-    model = vllm_args[1] if len(vllm_args) > 1 and not vllm_args[1].startswith("-") else option_value(
-        vllm_args, "--model")
+    model = model_argument(vllm_args)
     if model:
         path = os.path.expanduser(model)
-        local = os.path.isabs(path) or model.startswith((".", "~")) or model.count("/") > 1
-        if local and not os.path.exists(path):
+        if is_local_path(model) and not os.path.exists(path):
             return (f"model path {model!r} does not exist; pass a checkpoint directory (config.json and "
                     "weights) or a Hugging Face repo id")
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
             return f"model directory {model!r} has no config.json; pass the directory that holds the checkpoint"
+        if os.path.isdir(path) and (problem := checkpoint_problem(path)):
+            return problem
     if has_option(vllm_args, "--uds"):
         return None
     host = option_value(vllm_args, "--host") or DEFAULT_HOST
@@ -475,7 +542,8 @@ def main(argv: list[str] | None = None) -> None:
         print(help_preface(), flush=True)
     else:     # read at import by the engine's processes (spawned); with --help a build at import is wasted
         os.environ.update(server_environment(sys.argv[1:], cpu))
-    for warning in (exposure_warning(sys.argv[1:]), int8_warning(sys.argv[1:], cpu)):
+    vllm_args = sys.argv[1:]
+    for warning in (exposure_warning(vllm_args), int8_warning(vllm_args, cpu), architecture_warning(vllm_args)):
         if warning:
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -351,6 +351,50 @@ def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
 
 
 
+def test_startup_problem_names_a_checkpoint_vllm_would_refuse_after_loading(tmp_path, monkeypatch):
+    """A local AttnRes checkpoint vLLM would refuse only after tens of seconds, as a traceback: one line before
+    vLLM starts, with the config's or the loader's own message. A sound one passes."""
+    def copy(name, **changes):
+        folder = tmp_path / name
+        folder.mkdir()
+        for item in shipped_model_path().iterdir():
+            if item.is_file():
+                (folder / item.name).symlink_to(item)
+        config = json.loads((shipped_model_path() / "config.json").read_text())
+        (folder / "config.json").unlink()
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+        return str(folder)
+
+    assert cli.startup_problem(["serve", copy("sound"), "--port", "0"]) is None
+    layers = json.loads((shipped_model_path() / "config.json").read_text())["num_hidden_layers"]
+    for name, changes, message in [
+        ("block", dict(attn_res_block_size=-1), "attn_res_block_size is the number of transformer layers per block "
+                                                "and must be >= 1, got -1"),
+        ("heads", dict(num_key_value_heads=3), "must be a multiple of num_key_value_heads (3)"),
+        ("layers", dict(num_hidden_layers=layers + 2), f"num_hidden_layers={layers + 2}")]:
+        problem = cli.startup_problem(["serve", copy(name, **changes)])
+        assert problem.startswith(f"{tmp_path / name} cannot be served: ") and message in problem, problem
+    broken = copy("json")
+    Path(broken, "config.json").write_text("{bad json")
+    assert cli.startup_problem(["serve", broken]).startswith(f"cannot read {broken}/config.json as JSON (Expecting")
+    monkeypatch.chdir(tmp_path)                       # `sound/nope`: a missing path beside `sound`, not a repo id
+    assert "model path 'sound/nope' does not exist" in cli.startup_problem(["serve", "sound/nope"])
+    assert cli.startup_problem(["serve", "org/model", "--port", "0"]) is None          # a repo id: vLLM's to fetch
+
+
+def test_a_checkpoint_of_another_architecture_is_served_with_a_warning(tmp_path):
+    """A Llama not yet converted is served by vLLM's own class (a baseline may mean it): a warning says so and
+    how to serve it as AttnRes."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=1).save_pretrained(tmp_path)
+    assert cli.architecture_warning(["serve", str(tmp_path)]) == (
+        f"{tmp_path} is not an AttnRes checkpoint (model_type 'llama', architectures None): vLLM serves it with its "
+        f"own class, without depth attention; to serve it as AttnRes, convert it first: attnres-convert {tmp_path} DST")
+    for model in (str(shipped_model_path()), "org/model"):
+        assert cli.architecture_warning(["serve", model]) is None
+
+
 def test_an_address_this_machine_does_not_have_is_named_as_such(monkeypatch):
     def not_here(self, address):
         raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
