@@ -324,6 +324,7 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP, MixtureOfExperts):
         super().__init__()
         config: AttnResConfig = vllm_config.model_config.hf_config
         check_before_allocating(vllm_config.model_config, config)
+        check_cpu_attention(vllm_config, config)
         self.config = config
         self.quant_config = vllm_config.quant_config
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
@@ -474,8 +475,8 @@ class AttnResForCausalLM(nn.Module, SupportsLoRA, SupportsPP, MixtureOfExperts):
 
 def check_before_allocating(model_config, config: AttnResConfig) -> None:
     """Refuse, before any weight is allocated, a local checkpoint whose tensors disagree with its config
-    (`check_checkpoint_against_config`), and a tokenizer with more tokens than the model has rows: a
-    normal request could then produce an id past the embedding and bring the engine down."""
+    (`check_checkpoint_against_config`), and a tokenizer with more tokens than the model has rows: a normal
+    request could then produce an id past the embedding and bring the engine down."""
     if os.path.isdir(model_config.model):
         check_checkpoint_against_config(model_config.model, config)
     tokenizer = getattr(model_config, "tokenizer", None)
@@ -489,6 +490,44 @@ def check_before_allocating(model_config, config: AttnResConfig) -> None:
                              f"{config.vocab_size}: ids {config.vocab_size}..{size - 1} have no embedding row. Resize "
                              "the embeddings (model.resize_token_embeddings(len(tokenizer)) and save), or serve the "
                              "tokenizer the model was trained with.")
+
+
+def check_cpu_attention(vllm_config: VllmConfig, config: AttnResConfig) -> None:
+    """On a CPU, a head size vLLM's CPU attention has no kernel for is refused before allocating: vLLM itself
+    starts the server, reports it healthy and dies on the first request (`Unsupported CPU attention
+    configuration`). Asked of the kernel's own scheduler with a one-token request, as the engine will ask it:
+    vLLM's list of supported sizes (`CPUAttentionBackend.get_supported_head_sizes`) omits some it runs (48)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return                                          # GPU backends check their head sizes themselves
+    dtype, block_size = vllm_config.model_config.dtype, vllm_config.cache_config.block_size or 128
+    if cpu_attention_runs(config.head_dim, config, dtype, block_size):
+        return
+    sizes = [size for size in range(16, 257, 16) if cpu_attention_runs(size, config, dtype, block_size)]
+    raise ValueError(f"head_dim {config.head_dim} (hidden_size {config.hidden_size}, num_attention_heads "
+                     f"{config.num_attention_heads}) has no kernel in vLLM's CPU attention, which runs head sizes "
+                     f"{', '.join(map(str, sizes))}, ... here; serve this model on a GPU, or with transformers "
+                     "(AutoModelForCausalLM) on this CPU.")
+
+
+def cpu_attention_runs(head_dim: int, config: AttnResConfig, dtype: torch.dtype, block_size: int) -> bool:
+    """Whether vLLM's CPU attention schedules a one-token request with this head size (its kernels are chosen
+    there: an unsupported size raises)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    one = dict(seq_lens=torch.tensor([1], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
+    try:
+        ops.cpu_attn_get_scheduler_metadata(num_reqs=1, num_heads=config.num_attention_heads,
+                                            num_kv_heads=config.num_key_value_heads, head_dim=head_dim, dtype=dtype,
+                                            causal=True, sliding_window_size=-1, enable_kv_split=False,
+                                            isa=_get_attn_isa(dtype, block_size, head_dim), **one)
+    except RuntimeError as err:
+        if "Unsupported CPU attention configuration" in str(err):
+            return False
+        raise
+    return True
 
 
 def checkpoint_mapper(model: nn.Module) -> WeightsMapper:

@@ -450,6 +450,32 @@ def test_a_checkpoint_that_cannot_be_served_is_refused_before_allocating(checkpo
         check_before_allocating(model_config("org/elsewhere", path, smaller), smaller)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_head_size_cpu_attention_cannot_run_is_refused_before_allocating(checkpoints, dtype):
+    """vLLM starts a model whose head size its CPU attention has no kernel for, reports the server healthy and
+    dies on the first request: refused at construction instead, asking the kernel's own scheduler (vLLM's
+    Python list of sizes omits 48, which runs: the shipped attnres-tiny has it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from attnres.serving.model import check_cpu_attention
+    from modeling_attnres import AttnResConfig
+
+    path = checkpoints("plugin-checks", seed=3)
+    def vllm_config(config):
+        return SimpleNamespace(model_config=SimpleNamespace(dtype=getattr(torch, dtype)),
+                               cache_config=SimpleNamespace(block_size=128))
+    for head_dim in (32, 48, 64):
+        config = AttnResConfig.from_pretrained(path, head_dim=head_dim)
+        check_cpu_attention(vllm_config(config), config)
+    for head_dim in (16, 40):
+        narrow = AttnResConfig.from_pretrained(path, head_dim=head_dim)
+        with pytest.raises(ValueError, match=rf"head_dim {head_dim} \(hidden_size 64, num_attention_heads 4\) has no "
+                                             r"kernel in vLLM's CPU attention, which runs head sizes 32, 48, 64, "):
+            check_cpu_attention(vllm_config(narrow), narrow)
+
+
 def test_the_tokenizer_check_loads_a_remote_code_tokenizer_as_the_engine_does(checkpoints, tmp_path):
     """A checkpoint whose tokenizer class ships beside it (`auto_map`, `--trust-remote-code`) is checked
     through vLLM's own tokenizer loader, with the engine's trust_remote_code, as a Llama's would be."""
