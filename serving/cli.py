@@ -445,7 +445,8 @@ def checkpoint_problem(folder: str) -> str | None:
     from modeling_attnres.configuration_attnres import check_checkpoint_against_config
 
     try:
-        check_checkpoint_against_config(folder, AttnResConfig.from_pretrained(folder))
+        check_checkpoint_against_config(folder, AttnResConfig.from_pretrained(folder),
+                                        fix="Fix config.json to describe these weights.")
     except (ValueError, OSError, StrictDataclassError) as err:
         cause = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err   # the validator's
         return f"{folder} cannot be served: {cause}"

@@ -478,7 +478,8 @@ def check_before_allocating(model_config, config: AttnResConfig) -> None:
     (`check_checkpoint_against_config`), and a tokenizer with more tokens than the model has rows: a normal
     request could then produce an id past the embedding and bring the engine down."""
     if os.path.isdir(model_config.model):
-        check_checkpoint_against_config(model_config.model, config)
+        check_checkpoint_against_config(model_config.model, config, fix="Fix config.json to describe these "
+                                        "weights (or drop the --hf-overrides that change these sizes).")
     tokenizer = getattr(model_config, "tokenizer", None)
     if tokenizer and os.path.isdir(tokenizer) and not getattr(model_config, "skip_tokenizer_init", False):
         # vLLM's own loader, as the engine loads it: its mode, revision and trust_remote_code apply.

@@ -337,17 +337,19 @@ def depth_schedule(sublayers_per_block: int, num_hidden_layers: int) -> tuple[De
     return _SCHEDULES[key]
 
 
-def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config: AttnResConfig) -> str:
-    """The error for a checkpoint whose weights do not have the shapes its config implies."""
+def describe_mismatched_shapes(mismatched: set[tuple[str, tuple, tuple]], config: AttnResConfig,
+                               fix: str | None = None) -> str:
+    """The error for a checkpoint whose weights do not have the shapes its config implies, ending in `fix`
+    (default: what a transformers user can do)."""
     rows = "\n".join(f"  {key}: checkpoint {tuple(ckpt)}, config implies {tuple(model)}"
                      for key, ckpt, model in sorted(mismatched))
     return (
         f"The checkpoint's weights do not match the config they are loaded with ({len(mismatched)} tensors):\n"
         f"{rows}\n(config: hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
         f"num_attention_heads={config.num_attention_heads}, num_key_value_heads={config.num_key_value_heads}, "
-        f"head_dim={config.head_dim}, vocab_size={config.vocab_size}). Fix config.json to describe these "
-        "weights (or drop the size overrides given to from_pretrained), or pass ignore_mismatched_sizes=True to "
-        "re-initialise the mismatched tensors."
+        f"head_dim={config.head_dim}, vocab_size={config.vocab_size}). " + (fix or
+        "Fix config.json to describe these weights (or drop the size overrides given to from_pretrained), or pass "
+        "ignore_mismatched_sizes=True to re-initialise the mismatched tensors.")
     )
 
 
@@ -372,11 +374,12 @@ def is_sparse_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int, 
     return num_experts > 0 and layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0
 
 
-def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResConfig) -> None:
+def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResConfig, fix: str | None = None) -> None:
     """Refuse a checkpoint folder whose tensors (read from the safetensors headers only: nothing is
     allocated) disagree with the sizes or layer count of `config`, its own config.json, before a model is
     built: a config.json that claims more rows or layers than the weights would otherwise allocate them
-    first. (A config the caller gives may differ: fewer layers load the first ones, as for Llama.)"""
+    first. (A config the caller gives may differ: fewer layers load the first ones, as for Llama.) `fix` ends
+    a shape mismatch's message (`describe_mismatched_shapes`) for a caller other than transformers."""
     from safetensors import SafetensorError, safe_open
 
     shapes = {}
@@ -395,7 +398,7 @@ def check_checkpoint_against_config(folder: str | os.PathLike, config: AttnResCo
     mismatched = {(key, shape, implied) for key, shape in shapes.items()
                   if (implied := implied_shape(key, config)) is not None and tuple(shape) != implied}
     if mismatched:
-        raise CheckpointMismatchError(describe_mismatched_shapes(mismatched, config))
+        raise CheckpointMismatchError(describe_mismatched_shapes(mismatched, config, fix))
 
 
 def check_local_folder(folder: str, given_config: AttnResConfig | None) -> None:

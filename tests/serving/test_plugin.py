@@ -443,8 +443,10 @@ def test_a_checkpoint_that_cannot_be_served_is_refused_before_allocating(checkpo
     config = AttnResConfig.from_pretrained(path)
     check_before_allocating(model_config(path, path, config), config)
     bigger = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size * 1000)
-    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: checkpoint \(104, 64\), config implies"):
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: checkpoint \(104, 64\), config implies") as err:
         check_before_allocating(model_config(path, path, bigger), bigger)
+    assert str(err.value).endswith("Fix config.json to describe these weights (or drop the --hf-overrides that change "
+                                   "these sizes).")                  # not transformers' from_pretrained advice
     smaller = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size - 4)
     with pytest.raises(ValueError, match=r"has 104 tokens but the model's vocab_size is 100: ids 100\.\.103"):
         check_before_allocating(model_config("org/elsewhere", path, smaller), smaller)
