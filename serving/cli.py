@@ -521,9 +521,13 @@ def help_preface() -> str:
     """What `attnres-serve --help` prints before vLLM's own help (whose usage line says `vllm serve`)."""
     return (f"usage: {PROG} [MODEL] [vllm serve options]\n\nvLLM's OpenAI-compatible server for AttnRes models. "
             f"MODEL: a checkpoint folder, a Hub repo id or a built-in model ({', '.join(BUILTIN_MODELS)}; the "
-            f"first is the default). Added unless given: --host {DEFAULT_HOST}, --shutdown-timeout "
-            f"{SHUTDOWN_TIMEOUT}, --enable-tokenizer-info-endpoint, and on CPUs --kv-cache-memory-bytes "
-            f"{CPU_KV_CACHE_BYTES}. vLLM's options follow (read `vllm serve` as `{PROG}`).\n")
+            "first is the default, not the default model vLLM's text below names). Added unless given: --host "
+            f"{DEFAULT_HOST}, --shutdown-timeout {SHUTDOWN_TIMEOUT}, --enable-tokenizer-info-endpoint; on CPUs "
+            f"--kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}, and for a built-in model --compilation-config "
+            f"'{DEFAULT_COMPILATION}'; always --middleware (--api-key guards every route but the health checks) "
+            "and --worker-extension-cls (checked in-place weight updates); with compilation on a CPU, "
+            "ATTNRES_CPU_KERNEL=compiled. Details: docs/serving.md in the attnres repository. vLLM's options "
+            f"follow (read `vllm serve` as `{PROG}`).\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,6 +53,14 @@ def test_the_commands_say_in_one_line_that_vllm_is_missing(command, monkeypatch,
         '"attnres[vllm]" on a GPU machine (docs/serving.md#installing)']
 
 
+def test_help_names_every_option_the_command_adds():
+    """Each option `attnres-serve` adds to a built-in model's command line on a CPU is named in its --help text
+    (vLLM's text that follows knows nothing of them)."""
+    added = cli.serve_argv([SHIPPED_MODEL, "--port", "9000"], cpu=True, env={})[2:]
+    options = {arg for arg in added if arg.startswith("--")} - {"--port", "--served-model-name"}
+    assert len(options) >= 7 and all(option in cli.help_preface() for option in options), options
+
+
 def test_help_leaves_the_servers_environment_alone(monkeypatch, capsys):
     """`attnres-serve --help` starts no server: the settings a server's processes read at import (such as
     `ATTNRES_CPU_KERNEL=compiled`, which builds the CPU kernel at import) are not made."""
