@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -224,6 +225,10 @@ def wrap_model(model, args, world: int):
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
+    # A layer that stores no block returns the bank it was given, which FSDP sees as a view and warns about
+    # (an in-place op on it would skip FSDP's hook); the bank is never written in place under autograd (it
+    # grows by concatenation), so the warning, once per rank, says nothing about this model.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPAttnRes\w*\) returned a view tensor")
     for layer in model.model.layers:
         fully_shard(layer)
     return fully_shard(model)
