@@ -370,9 +370,10 @@ def training_arguments(args, world_size: int):
         # Several processes without GPUs: DDP over gloo on the CPUs (accelerate would otherwise leave
         # each process training alone).
         use_cpu=world_size > 1 and not torch.cuda.is_available(),
-        # Every trained parameter is in every step's graph (even a first site's query, whose gradient is 0):
-        # DDP's search for unused ones costs a graph traversal a step and warns that it found none.
-        ddp_find_unused_parameters=False,
+        # The depth parameters and norms are in every step's graph (even a first site's query, whose gradient
+        # is 0): DDP's search for unused ones costs a traversal a step and warns that it found none. With
+        # --train all, experts no token chose in a step are unused, and the search is needed.
+        ddp_find_unused_parameters=args.train == "all",
     )
 
 
