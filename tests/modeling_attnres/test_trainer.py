@@ -1,5 +1,7 @@
 """transformers Trainer trains an AttnRes model, pseudo-queries included, and checkpoints it."""
 
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -50,3 +52,19 @@ def test_label_smoothing_scores_each_position_against_the_next_token(tmp_path):
     targets = batch["labels"][:, 1:]
     nll = -log_probs.gather(-1, targets[..., None]).mean()
     torch.testing.assert_close(loss, 0.9 * nll - 0.1 * log_probs.mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_documented_trainer_leaves_the_pseudo_queries_out_of_weight_decay(tmp_path):
+    """docs/training.md's `AttnResTrainer`, run as written: weight decay on the projections and MLPs, not on
+    the pseudo-queries, which plain `Trainer` decays (the reason the docs give it)."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    section = docs.split("## With transformers' `Trainer`")[1].split("\n## ")[0]
+    namespace = {}
+    exec(section.split("```python\n")[1].split("```")[0], namespace)
+    model = AttnResForCausalLM(tiny_config(num_hidden_layers=2))
+    args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, report_to=[], use_cpu=True)
+    queries = {name for name, _ in model.named_parameters() if name.endswith("_res_proj.weight")}
+    plain = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
+    ours = set(namespace["AttnResTrainer"](model=model, args=args).get_decay_parameter_names(model))
+    assert len(queries) == 5 and queries <= plain and not queries & ours
+    assert ours == plain - queries and "model.layers.0.mlp.up_proj.weight" in ours
