@@ -1,8 +1,23 @@
 """Fixtures shared by every test package."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Refuse to test another checkout's code: an environment shared by several checkouts (an editable install
+    of one, `PYTHONPATH` pointing at another) imports some packages from each, and the tests then pass or fail
+    for code that is not this checkout's."""
+    for name in ("modeling_attnres", "attnres.conversion", "attnres.serving", "attnres.models"):
+        spec = importlib.util.find_spec(name)
+        origin = Path(spec.origin).resolve() if spec and spec.origin else None
+        if origin is None or not origin.is_relative_to(REPO):
+            raise pytest.UsageError(f"{name} is imported from {origin}, not from this checkout ({REPO}); install it "
+                                    f"with `pip install -e {REPO}` (make install) or run the tests of that checkout")
 
 
 @pytest.fixture(scope="session")
