@@ -175,6 +175,7 @@ def serve_argv(args: list[str], cpu: bool, env: dict | None = None, vllm_version
     if model == "serve" and not os.path.exists(model):
         raise UsageError(f"'serve' was read as the model: attnres-serve is `vllm serve` already; run "
                          f"`attnres-serve {' '.join(args) or 'MODEL'}`")
+    vllm_model_tag(args)     # an option vLLM does not know, or a bad value: refused here, before any model is built
     if model is None:
         path, name = resolve_default()                 # without a registry: one line, then the fallback
     else:
