@@ -50,6 +50,7 @@ import functools
 import importlib.metadata
 import io
 import json
+import logging
 import os
 import socket
 import sys
@@ -261,8 +262,10 @@ def expand_config_file(args: list[str]) -> list[str]:
     if len(paths) > 1:
         raise UsageError(f"--config is given {len(paths)} times; pass one YAML file of options")
     rest = without_option(args, "--config")
+    parser = serve_parser()
     try:
-        options = serve_parser().load_config_file(paths[0])
+        with quiet_logger("vllm.utils.argparse_utils"):     # its "Unable to read" line before the one below
+            options = parser.load_config_file(paths[0])
     except Exception as err:            # vLLM raises what open() and yaml raise, and ValueError for the suffix
         raise UsageError(f"--config {paths[0]!r} cannot be read as vLLM's YAML of options ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else 'no message'}); pass a .yaml file of "
@@ -271,6 +274,17 @@ def expand_config_file(args: list[str]) -> list[str]:
     if head or has_option(rest, "--model"):     # the command line's model wins, as in vLLM: drop the file's
         options = without_option(options, "--model")
     return head + options + rest[len(head):]
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str):
+    """While held, the logger `name` writes nothing (the caller reports the failure itself, in one line)."""
+    logger = logging.getLogger(name)
+    before, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = before
 
 
 def without_option(args: list[str], name: str) -> list[str]:

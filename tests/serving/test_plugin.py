@@ -217,7 +217,8 @@ def test_serve_argv_respects_given_options():
     assert cli.option_values(other, "--middleware") == ["my.Middleware", cli.MIDDLEWARE]      # ours is added too
 
 
-def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_wins(tmp_path, monkeypatch):
+def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_wins(tmp_path, monkeypatch, capfd,
+                                                                                    caplog):
     """`--config FILE.yaml` (vLLM's): its options count as given, so no default of this command overrides
     them; its `model:` is the model (a built-in name too); options on the command line win over it."""
     monkeypatch.setattr(cli, "resolve_default", refuse_to_build)
@@ -243,6 +244,10 @@ def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_
         assert "--compilation-config" not in argv
     with pytest.raises(UsageError, match=r"--config '.*notes.txt' cannot be read as vLLM's YAML of options"):
         cli.serve_argv(["--config", str(tmp_path / "notes.txt")], cpu=False, env={})
+    with pytest.raises(UsageError, match=r"--config 'nope.yaml' cannot be read as vLLM's YAML of options"):
+        cli.serve_argv(["--config", "nope.yaml"], cpu=False, env={})
+    said = "".join(capfd.readouterr()) + caplog.text
+    assert "Unable to read the config file" not in said                          # vLLM's line: ours alone is said
     with pytest.raises(UsageError, match=r"--config needs a value: a \.yaml file"):
         cli.serve_argv(["--port", "9", "--config"], cpu=False, env={})
 
