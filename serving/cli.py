@@ -243,8 +243,11 @@ def take_model(args: list[str]) -> tuple[str | None, list[str]]:
 def serve_parser():
     """vLLM's own `vllm serve` argument parser, built once per process (about a second: it imports vLLM's CLI,
     which the server imports next anyway); reading arguments or a config file leaves it unchanged."""
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    # Importing vLLM warns on the CPU build that its Triton has no CPU backend (the vLLM server then runs
+    # without Triton, as it always does there); said here, it would precede a one-line error of this command.
+    with quiet_logger("vllm.triton_utils.importing"):
+        from vllm.entrypoints.cli.serve import ServeSubcommand
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     return ServeSubcommand().subparser_init(FlexibleArgumentParser(prog="vllm").add_subparsers())
 
