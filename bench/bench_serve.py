@@ -53,6 +53,7 @@ from bench_vllm import NORMS, c_norms_kernel_config  # noqa: E402
 from common import (  # noqa: E402
     add_model_arguments,
     add_size_arguments,
+    balanced,
     build,
     check_equal_work,
     check_model_arguments,
@@ -220,6 +221,12 @@ def measure(args, servers: dict, paths: dict[str, Path], compilation: str, out_d
     return rounds, orders
 
 
+def order_note(args) -> str:
+    """Whether the rounds balance the running order, and a warning below 10 pairs."""
+    note = "balanced" if balanced(args.repeats, 3) else "not a multiple of 6: unbalanced"
+    return note + ("" if args.repeats >= 10 else "; fewer than 10 pairs: a ratio within a few % of 1 is not resolved")
+
+
 def rows_for(args, compilation: str, rounds: dict[int, list[dict]]) -> list[list]:
     """Per concurrency level: throughput, the paired AttnRes/Llama ratios and the A/A beside them."""
     rows = []
@@ -249,7 +256,8 @@ def parse_args(argv=None):
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="round r's prompts come from seed + r")
-    parser.add_argument("--repeats", type=int, default=6, help="timed rounds (after one untimed round)")
+    parser.add_argument("--repeats", type=int, default=12,
+                        help="timed rounds (after one untimed round); a multiple of 6 balances the running order")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--kv-cache-bytes", type=int, help="--kv-cache-memory-bytes (default: attnres-serve's)")
     parser.add_argument("--norms", choices=list(NORMS), default="vllm-default",
@@ -287,8 +295,8 @@ def main(argv=None) -> None:
                           "clients",
                 "norms": NORMS[args.norms],
                 "order": f"AttnRes, Llama, Llama (A/A) servers up together; {args.repeats} timed rounds after one "
-                         f"untimed, the three measured one after the other in a rotating order, {args.settle:g} s "
-                         "apart"}
+                         f"untimed, the three measured one after the other in a rotating order ({order_note(args)}), "
+                         f"{args.settle:g} s apart"}
     print(header(f"attnres-serve under vLLM's client, AttnRes / Llama: {describe(args)}", settings) + "\n")
     print(markdown_table(["compilation", "clients", "requests x tokens in / out (checked equal)", "AttnRes tok/s",
                           "Llama tok/s", *(f"{m}: {side}" for m in ("duration", "median TTFT", "median TPOT")

@@ -312,8 +312,8 @@ def child(plan: dict, log_dir: Path) -> dict:
     plan_path, out_path, log_path = (log_dir / f"{name}.{ext}" for ext in ("plan.json", "result.json", "log"))
     plan_path.write_text(json.dumps(plan))
     env = {**os.environ, **ENV}
-    if plan["task"] == "kv":
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)                       # it would override the profiling
+    # vLLM's CPU platform lets it override both the profiling and --kv-cache-bytes (the budget the header states)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     returncode = run_logged([sys.executable, __file__, "--child", str(plan_path), str(out_path)], log_path,
                             plan["timeout"], env=env)
     if returncode != 0 or not out_path.exists():

@@ -255,6 +255,11 @@ def alternate(runs: dict[str, Callable[[], object]], repeats: int, warmup: int =
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+# Wall and process CPU seconds of every timed call `rotate_runs` made in this process (not the warm-ups, builds
+# or compilations around them): a table's "CPU share of the timing".
+TIMED = {"wall": 0.0, "cpu": 0.0}
+
+
 def rotate_runs(runners: dict[str, Callable], inputs: Callable[[int], object], repeats: int,
                 count: Callable[[object], object] | None = None, warmup: bool = True) -> list[dict[str, float]]:
     """Seconds of every runner in every repeat: `inputs(repeat)` makes fresh inputs per repeat (repeat -1
@@ -270,10 +275,12 @@ def rotate_runs(runners: dict[str, Callable], inputs: Callable[[int], object], r
         batch, seconds, counts = inputs(repeat), {}, {}
         for name in rotation(list(runners), repeat):
             synchronize()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = runners[name](batch)
             synchronize()
             seconds[name] = time.perf_counter() - start
+            TIMED["wall"] += seconds[name]
+            TIMED["cpu"] += time.process_time() - cpu
             if count is not None:
                 counts[name] = count(out)
         check_equal_work(counts, f"repeat {repeat}")
@@ -347,10 +354,11 @@ def load_average() -> str:
 
 
 # Variables that change what a table measures, printed with its command: the kernel's setting, vLLM's
-# AOT compilation (on, vLLM's eager backend hashes its configuration on every step), and the allocator's
+# AOT compilation (on, vLLM's eager backend hashes its configuration on every step), vLLM's CPU settings
+# (threads, KV cache), OpenMP's, and the allocator's
 # (on a CPU, whether glibc returns freed memory to the system changed a 4096-token float32 prefill step
 # by 10 % for both models, through the page faults of mapping it afresh).
-SHOWN_ENV = ("ATTNRES_", "VLLM_USE_AOT_COMPILE", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
+SHOWN_ENV = ("ATTNRES_", "VLLM_USE_AOT_COMPILE", "VLLM_CPU_", "OMP_", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
 
 
 def header(title: str, settings: dict[str, object]) -> str:

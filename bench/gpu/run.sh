@@ -97,10 +97,11 @@ vllm_step() {  # vLLM where it is installed (the GPU machine this was prepared f
     echo "vLLM is not installed on this machine: the vLLM step is skipped (its ratio is not measured)." \
       | tee "$out/vllm.md"
   else
-    # prefix caching off, three engines (AttnRes, Llama, Llama A/A), rotating order, one build order
+    # prefix caching off, three engines (AttnRes, Llama, Llama A/A), rotating order, both build orders (the A/A
+    # mirrors the subject's position only across the two), 6 pairs each: 12 in all (the rule's 10 or more)
     step vllm 200 "$python" bench/bench_vllm.py --dtype bfloat16 --hidden-size 2048 --num-hidden-layers 16 \
       --num-attention-heads 16 --num-key-value-heads 4 --intermediate-size 8192 --prefill-tokens 4096 \
-      --decode-batches 1 32 --long-decode-batches --new-tokens 32 --repeats 6 --build-order forward \
+      --decode-batches 1 32 --long-decode-batches --new-tokens 32 --repeats 12 --build-order both \
       --kv-cache-bytes $((8 << 30)) --no-kv-profile
   fi
 }

@@ -188,14 +188,18 @@ def test_bench_transformers_sets_inductors_cpp_wrapper_only_when_asked():
     """`--inductor-cpp-wrapper` is torch's own global setting, so it applies to the three models alike.
     (torch's `patch` restores it; pytest's monkeypatch would delete the config entry on undo.)"""
     import bench_transformers
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch(cpp_wrapper=False):
+    with inductor_config.patch(cpp_wrapper=False), dynamo_config.patch(recompile_limit=8,
+                                                                       fail_on_recompile_limit_hit=False):
         bench_transformers.apply_inductor_settings(bench_transformers.parse_args(["--inductor-cpp-wrapper"]))
         assert inductor_config.cpp_wrapper is True
         bench_transformers.apply_inductor_settings(bench_transformers.parse_args([]))
         assert inductor_config.cpp_wrapper is False
-    assert inductor_config.cpp_wrapper is False
+        # the three models share one compiled step: a ninth cache entry must fail, not run eager unsaid
+        assert dynamo_config.recompile_limit == 64 and dynamo_config.fail_on_recompile_limit_hit is True
+    assert inductor_config.cpp_wrapper is False and dynamo_config.fail_on_recompile_limit_hit is False
 
 
 def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_checkpoint(tmp_path):
@@ -373,7 +377,8 @@ def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with
               "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
               "--repeats", "1", "--norms", "vllm-c", "--settle", "0.5", timeout=840)
     assert_header(out, "--no-enable-prefix-caching", "vllm bench serve (in this process)", "servers up together",
-                  "1 timed rounds after one untimed", "rotating order, 0.5 s apart", "vLLM's C++ rms_norm")
+                  "1 timed rounds after one untimed", "rotating order (not a multiple of 6: unbalanced; fewer than 10 "
+                  "pairs: a ratio within a few % of 1 is not resolved), 0.5 s apart", "vLLM's C++ rms_norm")
     (rows,) = tables(out)
     (row,) = rows
     assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 4", row
