@@ -7,8 +7,9 @@
 (`collective_rpc`; to an engine in another process, vLLM's default, as `encode_tensor`'s raw bytes), where
 `AttnResWeightUpdates.attnres_update_weights`:
 
-1. checks every name, shape and dtype against the checkpoint format (`check_update`): an unknown name,
-   a wrong shape or a non-float dtype is a `ValueError` naming it, raised before anything is touched;
+1. checks every name, shape, dtype and value against the checkpoint format (`check_update`): an unknown
+   name, a wrong shape, a non-float dtype or a NaN/inf is a `ValueError` naming it, raised before anything
+   is touched (in the caller too: `update_weights` unwraps it from vLLM's cross-process error);
 2. completes the update module by module (`complete_update`): vLLM's in-place reload processes a
    module only once every tensor of it has arrived, so a part of a fused module (`q_proj` of
    `qkv_proj`) or a weight without its bias is sent together with the module's other tensors as they
@@ -22,8 +23,9 @@ matrix: each output element is one weight times 1 plus zeros, so the weight come
 """
 
 import json
+import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -66,8 +68,9 @@ def as_tensor(name: str, value) -> torch.Tensor:
 
 
 def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Refuse, naming each, unknown checkpoint names, shapes other than the checkpoint's and non-float
-    dtypes; a quantized model is refused as a whole (its weights cannot be read back exactly)."""
+    """Refuse, naming each, unknown checkpoint names, shapes other than the checkpoint's, non-float dtypes
+    and NaN or infinite values; a quantized model is refused as a whole (its weights cannot be read back
+    exactly)."""
     if model.quant_config is not None:
         raise ValueError(f"weight updates into a quantized model ({type(model.quant_config).__name__}) are not "
                          "supported: update the unquantized model and quantize it again.")
@@ -87,6 +90,9 @@ def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> N
             problems.append(f"{name}: shape {tuple(tensor.shape)}, the checkpoint's is {expected}")
         elif tensor.dtype not in FLOAT_DTYPES:
             problems.append(f"{name}: dtype {tensor.dtype}, expected one of float32, bfloat16, float16")
+        elif not torch.isfinite(tensor).all():
+            problems.append(f"{name}: holds NaN or infinite values (a diverged training step?); every generation "
+                            "would be garbage")
     if problems:
         raise ValueError(f"The weight update was refused, nothing was changed ({len(problems)} problem(s)):\n  "
                          + "\n  ".join(problems) + "\nSend transformers checkpoint names (model.layers.0.self_attn."
@@ -188,6 +194,7 @@ class AttnResWeightUpdates:
         a JSON string of `[name, nested list]` pairs (what vLLM's `/collective_rpc` route passes on)."""
         model = self.model_runner.get_model()
         weights = json.loads(weights) if isinstance(weights, str) else weights
+        weights = weights.items() if isinstance(weights, Mapping) else weights        # a state_dict()
         named = [(str(name), as_tensor(str(name), value)) for name, value in weights]
         check_update(model, named)
         self.model_runner.reload_weights(weights_iterator=complete_update(model, named))
@@ -213,17 +220,36 @@ def refresh_tied_head(model: nn.Module, keys: list[str]) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def update_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def update_weights(llm, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
     """Update an offline `vllm.LLM` (made with `worker_extension_cls=WORKER_EXTENSION`) in place and drop
-    its prefix cache, whose entries were computed with the old weights. An engine in this process
-    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) gets the tensors themselves, one in another process their bytes."""
+    its prefix cache, whose entries were computed with the old weights. `weights`: `(name, tensor)` pairs or a
+    mapping (a `state_dict()`). An engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) gets the
+    tensors themselves, one in another process their bytes. A refused update raises `ValueError` whichever
+    the engine (vLLM wraps a worker's error in a plain `Exception` across processes)."""
     from vllm.v1.engine.core_client import InprocClient
 
-    weights = list(weights)
+    weights = list(weights.items() if isinstance(weights, Mapping) else weights)
     if not isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient):
         weights = [(name, encode_tensor(tensor)) for name, tensor in weights]
-    llm.collective_rpc("attnres_update_weights", args=(weights,))
+    try:
+        llm.collective_rpc("attnres_update_weights", args=(weights,))
+    except Exception as err:
+        raise update_error(err) from None
     llm.reset_prefix_cache()
+
+
+def update_error(err: Exception) -> Exception:
+    """The error a refused or impossible update raises in the caller: the worker's `ValueError` (unwrapped from
+    vLLM's cross-process `Exception`), a missing worker extension named with the fix, anything else as it is."""
+    message = str(err)
+    if "attnres_update_weights" in message and "has no attribute" in message:
+        return ValueError("this engine has no AttnRes weight updates: create it with "
+                          "`vllm.LLM(..., worker_extension_cls=WORKER_EXTENSION)` (from attnres.serving.weights); "
+                          "attnres-serve adds it itself")
+    refused = re.search(r"(The weight update was refused.*?)(?:', please check|'$|$)", message, re.S)
+    if isinstance(err, ValueError) or not refused:
+        return err
+    return ValueError(refused.group(1))
 
 
 __all__ = ["WORKER_EXTENSION", "AttnResWeightUpdates", "check_update", "complete_update", "encode_tensor",

@@ -49,12 +49,15 @@ def test_an_engine_takes_partial_updates_one_tensor_per_call(models):
         assert_matches("after the update", generate(llm, PROMPTS, STEPS, logprobs=5), after)
         bad = [([("model.layers.0.no_such.weight", torch.zeros(3))], "model.layers.0.no_such.weight: not a parameter"),
                ([("model.norm.weight", torch.zeros(5))], "model.norm.weight: shape (5,), the checkpoint's is (64,)"),
-               ([("model.norm.weight", torch.zeros(64, dtype=torch.int64))], "dtype torch.int64")]
+               ([("model.norm.weight", torch.zeros(64, dtype=torch.int64))], "dtype torch.int64"),
+               ([("model.norm.weight", torch.full((64,), float("nan")))], "model.norm.weight: holds NaN or infinite")]
         for update, message in bad:
-            with pytest.raises(Exception, match="nothing was changed") as err:
+            with pytest.raises(ValueError, match="nothing was changed") as err:
                 update_weights(llm, update)
             assert message in str(err.value), str(err.value)
         assert_matches("after refused updates", generate(llm, PROMPTS, STEPS, logprobs=5), after)
+        update_weights(llm, dict(changes))                       # a mapping (a state_dict()) as well as pairs
+        assert_matches("after a mapping's update", generate(llm, PROMPTS, STEPS, logprobs=5), after)
     finally:
         free_llm(llm)
 
@@ -105,6 +108,31 @@ def test_encoded_tensors_cross_vllms_process_boundary_intact():
     assert not isinstance(cross(torch.randn(64, 64)), torch.Tensor)
     with pytest.raises(ValueError, match=r"model.norm.weight: got list .* expected a tensor"):
         as_tensor("model.norm.weight", ["float32", [64, 64], 0])
+
+
+def test_a_refused_update_raises_valueerror_from_an_engine_in_another_process():
+    """vLLM wraps a worker's error in a plain `Exception` across processes (its default engine): `update_weights`
+    raises the worker's `ValueError` message as a `ValueError`, and names the fix for an engine made without
+    the worker extension."""
+    from types import SimpleNamespace
+
+    refusal = ("The weight update was refused, nothing was changed (1 problem(s)):\n  model.norm.weight: shape (5,), "
+               "the checkpoint's is (64,)\nSend transformers checkpoint names")
+    def engine(error):
+        def rpc(*args, **kwargs):
+            raise error
+        return SimpleNamespace(llm_engine=SimpleNamespace(engine_core=None), collective_rpc=rpc,
+                               reset_prefix_cache=lambda: None)
+    wrapped = Exception(f"Call to collective_rpc method failed: Worker failed with error '{refusal}', please check "
+                        "the stack trace above for the root cause")
+    with pytest.raises(ValueError) as err:
+        update_weights(engine(wrapped), [("model.norm.weight", torch.zeros(5))])
+    assert str(err.value) == refusal
+    missing = Exception("Worker failed with error ''CPUWorker' object has no attribute 'attnres_update_weights''")
+    with pytest.raises(ValueError, match=r"create it with `vllm.LLM\(..., worker_extension_cls=WORKER_EXTENSION\)`"):
+        update_weights(engine(missing), {"model.norm.weight": torch.zeros(64)})
+    with pytest.raises(RuntimeError, match="engine died"):                 # anything else passes through unchanged
+        update_weights(engine(RuntimeError("engine died")), [])
 
 
 # The module's server (tests/serving/conftest.py): the same base checkpoint, dev mode for /collective_rpc.
