@@ -81,7 +81,7 @@ def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> N
         key = model.resolve_checkpoint_key(name)
         expected = shapes.get(key)
         if expected is None:
-            problems.append(f"{name}: not a parameter of this model")
+            problems.append(f"{name}: not a parameter of this model{unknown_name_hint(model, name, shapes)}")
         elif EXPERT_KEY.match(key) and current_platform.is_cpu():
             problems.append(f"{name}: a routed expert; vLLM's CPU build cannot update those in place (its in-place "
                             "reload leaves the fused-expert kernel's packed weights stale, for vLLM's own Qwen3-MoE "
@@ -97,6 +97,23 @@ def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> N
         raise ValueError(f"The weight update was refused, nothing was changed ({len(problems)} problem(s)):\n  "
                          + "\n  ".join(problems) + "\nSend transformers checkpoint names (model.layers.0.self_attn."
                          "q_proj.weight, ...) with the shapes of the model's config.json.")
+
+
+# vLLM's fused modules, named as transformers splits them; prefixes that wrappers put before the names.
+FUSED_PARTS = {"qkv_proj": "q_proj, k_proj and v_proj", "gate_up_proj": "gate_proj and up_proj"}
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+
+
+def unknown_name_hint(model: nn.Module, name: str, shapes: dict) -> str:
+    """What an unknown name probably meant: a vLLM fused module's parts, or the name without a wrapper's prefix
+    (DDP's `module.`, torch.compile's `_orig_mod.`, PEFT's `base_model.model.`)."""
+    for fused, parts in FUSED_PARTS.items():
+        if f".{fused}." in name:
+            return f" (vLLM's fused {fused}: send its transformers parts, {parts})"
+    for prefix in WRAPPER_PREFIXES:
+        if name.startswith(prefix) and shapes.get(model.resolve_checkpoint_key(name.removeprefix(prefix))):
+            return f" (a wrapper's name: send {name.removeprefix(prefix)!r}, without {prefix!r})"
+    return ""
 
 
 def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -135,6 +135,26 @@ def test_a_refused_update_raises_valueerror_from_an_engine_in_another_process():
         update_weights(engine(RuntimeError("engine died")), [])
 
 
+def test_an_unknown_name_says_what_it_probably_meant():
+    """vLLM's fused names and a wrapper's prefix (DDP, torch.compile, PEFT) are named with the name to send."""
+    from types import SimpleNamespace
+
+    from attnres.serving.weights import check_update
+
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (64, 64), "model.norm.weight": (64,)}
+    model = SimpleNamespace(quant_config=None, all_checkpoint_shapes=shapes, resolve_checkpoint_key=lambda n: n)
+    cases = {"model.layers.0.self_attn.qkv_proj.weight": "(vLLM's fused qkv_proj: send its transformers parts, "
+                                                         "q_proj, k_proj and v_proj)",
+             "model.layers.0.mlp.gate_up_proj.weight": "send its transformers parts, gate_proj and up_proj)",
+             "module.model.norm.weight": "(a wrapper's name: send 'model.norm.weight', without 'module.')",
+             "base_model.model.model.norm.weight": "without 'base_model.model.')",
+             "model.nowhere.weight": "model.nowhere.weight: not a parameter of this model\n"}
+    for name, hint in cases.items():
+        with pytest.raises(ValueError) as err:
+            check_update(model, [(name, torch.zeros(64))])
+        assert hint in str(err.value), str(err.value)
+
+
 # The module's server (tests/serving/conftest.py): the same base checkpoint, dev mode for /collective_rpc.
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
