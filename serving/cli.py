@@ -449,12 +449,11 @@ def checkpoint_problem(folder: str) -> str | None:
     config.json that is not JSON, config values `AttnResConfig` refuses, tensors that disagree with the config
     (`check_checkpoint_against_config`, safetensors headers only). `None` for a sound one, and for another
     architecture (`architecture_warning`)."""
-    config_file = os.path.join(folder, "config.json")
     try:
-        with open(config_file, encoding="utf-8") as handle:
-            raw = json.load(handle)
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        return f"cannot read {config_file} as JSON ({err}); replace it with the config.json the model was saved with"
+        raw = read_config_json(folder)
+    except (OSError, ValueError) as err:
+        return f"cannot read {os.path.join(folder, 'config.json')} as JSON ({err}); replace it with the config.json " \
+               "the model was saved with"
     if not is_attnres_config(raw):
         return None
     from huggingface_hub.errors import StrictDataclassError
@@ -471,6 +470,12 @@ def checkpoint_problem(folder: str) -> str | None:
     return None
 
 
+def read_config_json(folder: str):
+    """The contents of `folder/config.json` (OSError when it cannot be read, ValueError when it is not JSON)."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+        return json.load(handle)                      # UnicodeDecodeError is a ValueError
+
+
 def is_attnres_config(raw) -> bool:
     """Whether a config.json's contents name this architecture (or another AttnRes code's, which the model's
     own checks refuse with their fix)."""
@@ -483,13 +488,11 @@ def architecture_warning(vllm_args: list[str]) -> str | None:
     """A local checkpoint of another architecture (a Llama not yet converted): vLLM serves it with its own
     class, without depth attention, which is right for a baseline and a surprise otherwise."""
     model = model_argument(vllm_args)
-    config_file = os.path.join(os.path.expanduser(model), "config.json") if model else ""
     try:
-        with open(config_file, encoding="utf-8") as handle:
-            raw = json.load(handle)
-    except (OSError, UnicodeDecodeError, ValueError):
+        raw = read_config_json(os.path.expanduser(model)) if model else None
+    except (OSError, ValueError):                      # not a local checkpoint, or one `checkpoint_problem` names
         return None
-    if is_attnres_config(raw):
+    if raw is None or is_attnres_config(raw):
         return None
     return (f"{model} is not an AttnRes checkpoint (model_type {raw.get('model_type')!r}, architectures "
             f"{raw.get('architectures')}): vLLM serves it with its own class, without depth attention; to serve it "
