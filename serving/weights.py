@@ -68,19 +68,23 @@ def as_tensor(name: str, value) -> torch.Tensor:
 
 
 def check_update(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Refuse, naming each, unknown checkpoint names, shapes other than the checkpoint's, non-float dtypes
-    and NaN or infinite values; a quantized model is refused as a whole (its weights cannot be read back
-    exactly)."""
+    """Refuse, naming each, unknown checkpoint names, shapes other than the checkpoint's, non-float dtypes,
+    NaN or infinite values and one weight sent twice with different values (`lm_head.weight` and the embedding
+    of a tied model); a quantized model is refused as a whole (its weights cannot be read back exactly)."""
     if model.quant_config is not None:
         raise ValueError(f"weight updates into a quantized model ({type(model.quant_config).__name__}) are not "
                          "supported: update the unquantized model and quantize it again.")
     if not hasattr(model, "all_checkpoint_shapes"):
         model.all_checkpoint_shapes = checkpoint_shapes(model.config)
-    shapes, problems = model.all_checkpoint_shapes, []
+    shapes, problems, seen = model.all_checkpoint_shapes, [], {}
     for name, tensor in weights:
         key = model.resolve_checkpoint_key(name)
         expected = shapes.get(key)
-        if expected is None:
+        earlier = seen.setdefault(key, (name, tensor))
+        if earlier[1] is not tensor and not (earlier[1].shape == tensor.shape and torch.equal(earlier[1], tensor)):
+            problems.append(f"{name}: the same weight as {earlier[0]} (a tied or repeated name) with other values; "
+                            "send one of them")
+        elif expected is None:
             problems.append(f"{name}: not a parameter of this model{unknown_name_hint(model, name, shapes)}")
         elif EXPERT_KEY.match(key) and current_platform.is_cpu():
             problems.append(f"{name}: a routed expert; vLLM's CPU build cannot update those in place (its in-place "

@@ -153,6 +153,11 @@ def test_an_unknown_name_says_what_it_probably_meant():
         with pytest.raises(ValueError) as err:
             check_update(model, [(name, torch.zeros(64))])
         assert hint in str(err.value), str(err.value)
+    ones = torch.ones(64)
+    check_update(model, [("model.norm.weight", ones), ("model.norm.weight", ones.clone())])     # the same values
+    with pytest.raises(ValueError, match=r"model.norm.weight: the same weight as model.norm.weight \(a tied or "
+                                         r"repeated name\) with other values; send one of them"):
+        check_update(model, [("model.norm.weight", ones), ("model.norm.weight", torch.zeros(64))])
 
 
 # The module's server (tests/serving/conftest.py): the same base checkpoint, dev mode for /collective_rpc.
