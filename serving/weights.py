@@ -227,9 +227,15 @@ class AttnResWeightUpdates:
         """`attnres_update_weights` with the tensors of a safetensors file (how an update of any size
         reaches a server: `POST /collective_rpc {"method": "attnres_update_weights_from_file", "args":
         [PATH]}` with `VLLM_SERVER_DEV_MODE=1`)."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return self.attnres_update_weights(list(load_file(path).items()))
+        try:
+            weights = load_file(path)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"The weight update was refused, nothing was changed: {path} cannot be read as a "
+                             f"safetensors file ({err}); write it with safetensors.torch.save_file") from None
+        return self.attnres_update_weights(list(weights.items()))
 
 
 def refresh_tied_head(model: nn.Module, keys: list[str]) -> None:

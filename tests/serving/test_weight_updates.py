@@ -160,6 +160,18 @@ def test_an_unknown_name_says_what_it_probably_meant():
         check_update(model, [("model.norm.weight", ones), ("model.norm.weight", torch.zeros(64))])
 
 
+def test_an_update_file_that_is_not_safetensors_is_named(tmp_path):
+    """`attnres_update_weights_from_file` (the server's route) on a `torch.save` file or a missing path: a
+    ValueError naming the file and how to write one, before the engine is touched."""
+    from attnres.serving.weights import AttnResWeightUpdates
+
+    torch.save({"model.norm.weight": torch.ones(64)}, tmp_path / "update.pt")
+    for path in (tmp_path / "update.pt", tmp_path / "missing.safetensors"):
+        with pytest.raises(ValueError, match=rf"{path} cannot be read as a safetensors file .*; write it with "
+                                             r"safetensors.torch.save_file"):
+            AttnResWeightUpdates().attnres_update_weights_from_file(str(path))
+
+
 # The module's server (tests/serving/conftest.py): the same base checkpoint, dev mode for /collective_rpc.
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
