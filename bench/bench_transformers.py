@@ -9,9 +9,13 @@ weights, the source in transformers' own Llama class) and a second instance of t
 same way (the A/A control). Every repeat makes fresh random prompts, shared by the three, which then
 run one whole `generate()` call each in the rotating order of `common.rotation` (each model first
 equally often, a linear drift cancelled within each pair of repeats), after an untimed warm-up at the
-timed size; every call must produce the same number of tokens (else the run stops). The table gives
-each model's median time, the median and min-max of the paired AttnRes/Llama ratios and, beside it,
-the same for Llama (A/A)/Llama: two identical models measured the same way, the error bar of the ratio.
+timed size; every call must produce the same number of tokens (else the run stops). The models are built
+in one order in one fresh process and in the reverse order in another, one after the other (`--build-order
+both`, the default; the repeats split between them, their pairs pooled): which model is built first, where
+its tensors land, must not pass for a difference between models. The table gives each model's median
+time, the median and min-max of the paired AttnRes/Llama ratios and, beside it, the same for Llama
+(A/A)/Llama: two identical models measured the same way, the error bar of the ratio; and both per build
+order.
 
 Workloads: prefill (one `--prefill-tokens` prompt, one new token) and decode (`--decode-batches` x
 `--prompt-tokens` prompts, `--new-tokens` new tokens each, greedy, EOS ignored). Modes: `eager`
@@ -74,6 +78,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODELS = ("attnres", "llama", "llama-2")        # subject, baseline, A/A control (a second baseline)
 MODES = ("eager", "fused-llama", "torch-path", "compiled")
 LABELS = {"attnres": "AttnRes", "llama": "Llama", "llama-2": "Llama (A/A)"}
+BUILD_ORDERS = {"forward": list(MODELS), "reverse": list(MODELS)[::-1]}     # construction orders
 
 
 def compile_config(device: str) -> CompileConfig:
@@ -119,32 +124,80 @@ def time_mode(args, models: dict, dtype_name: str, mode: str) -> list[list]:
         return _time_mode(args, models, dtype_name, mode)
 
 
-def _time_mode(args, models: dict, dtype_name: str, mode: str) -> list[list]:
-    """The rows of one dtype and mode: prefill (not in compiled mode) and each decode batch."""
+def _time_mode(args, models: dict, dtype_name: str, mode: str) -> list[dict]:
+    """The timed runs of one dtype and mode: prefill (not in compiled mode) and each decode batch, each as
+    `{"workload", "dtype", "mode", "runs"}` with `runs` the seconds of every model in every repeat."""
     enable_cpu_kernel(mode != "torch-path" and kernel_by_default())    # AttnRes only: Llama never calls it
     shapes = [] if mode == "compiled" else [("prefill", 1, args.prefill_tokens, 1)]
     shapes += [("decode", b, args.prompt_tokens, args.new_tokens) for b in args.decode_batches]
-    rows = []
+    timed = []
     for index, (kind, batch, tokens, new) in enumerate(shapes):
-        runners = {k: generate_fn(m, mode, new, args.device) for k, m in models.items()}
+        runners = {k: generate_fn(models[k], mode, new, args.device) for k in MODELS}   # rotation: MODELS order
 
         def inputs(repeat: int, batch=batch, tokens=tokens, index=index) -> torch.Tensor:
-            return random_ids(args, batch, tokens, 1000 * index + repeat)
+            return random_ids(args, batch, tokens, args.seed + 1000 * index + repeat)
 
         runs = rotate_runs(runners, inputs, args.repeats, count=lambda out: tuple(out.shape))
         name = f"prefill 1x{tokens}" if kind == "prefill" else f"decode {batch}x{new} (prompt {tokens})"
-        rows.append([name, dtype_name, mode, *(median_ms(runs, k) for k in MODELS),
-                     spread(ratios(runs, "attnres", "llama")), spread(ratios(runs, "llama-2", "llama")), len(runs)])
+        timed.append({"workload": name, "dtype": dtype_name, "mode": mode, "runs": runs})
     enable_cpu_kernel(False)
-    return rows
+    return timed
 
 
-def build_models(args, dtype: torch.dtype) -> dict:
-    """AttnRes, Llama and a second Llama (the same weights, its own tensors), eval mode."""
-    models = {kind: build(kind.removesuffix("-2"), args, dtype, device=args.device) for kind in MODELS}
+def build_models(args, dtype: torch.dtype, order: list[str]) -> dict:
+    """AttnRes, Llama and a second Llama (the same weights, its own tensors), eval mode, built in `order`."""
+    models = {kind: build(kind.removesuffix("-2"), args, dtype, device=args.device) for kind in order}
     if args.bank_dtype:
         models["attnres"].config.attn_res_bank_dtype = args.bank_dtype
     return models
+
+
+def time_order(args) -> dict:
+    """This process's timings, the models built in `--build-order` (forward or reverse): every dtype and
+    mode, and the wall and CPU seconds of the timed calls."""
+    before, timed = dict(TIMED), []
+    for dtype_name in args.dtypes:
+        models = build_models(args, DTYPES[dtype_name], BUILD_ORDERS[args.build_order])
+        for mode in args.modes:
+            timed += time_mode(args, models, dtype_name, mode)
+        del models
+    return {"label": args.build_order, "timed": timed, "wall": TIMED["wall"] - before["wall"],
+            "cpu": TIMED["cpu"] - before["cpu"]}
+
+
+def time_orders(args) -> list[dict]:
+    """`time_order` in this process for one build order; for `both`, in two fresh processes one after the
+    other (forward, then reverse), each with half the repeats and its own prompts."""
+    if args.build_order != "both":
+        return [time_order(args)]
+    per_order, results = -(-args.repeats // 2), []
+    with tempfile.TemporaryDirectory(prefix="attnres-bench-orders-") as tmp:
+        for i, label in enumerate(BUILD_ORDERS):
+            out, log = Path(tmp) / f"{label}.json", Path(tmp) / f"{label}.log"
+            cmd = [sys.executable, __file__, *args.argv, "--build-order", label, "--repeats", str(per_order),
+                   "--seed", str(args.seed + 1_000_000 * (i + 1)), "--timing-out", str(out)]
+            code = run_logged(cmd, log, timeout=args.timeout)
+            if code != 0 or not out.exists():
+                why = "timed out" if code is None else f"exit {code}"
+                raise RuntimeError(f"the {label} build order failed ({why}):\n{log.read_text()[-4000:]}")
+            results.append(json.loads(out.read_text()))
+    return results
+
+
+def timing_rows(results: list[dict]) -> list[list]:
+    """One row per workload, dtype and mode: the pairs of every build order pooled, and per order its
+    median ratio beside its median A/A ratio."""
+    rows = []
+    for i, first in enumerate(results[0]["timed"]):
+        mine = [r["timed"][i] for r in results]
+        pooled = [run for t in mine for run in t["runs"]]
+        by_order = "; ".join(f"{r['label']}: {statistics.median(ratios(t['runs'], 'attnres', 'llama')):.3f} / "
+                             f"{statistics.median(ratios(t['runs'], 'llama-2', 'llama')):.3f}"
+                             for r, t in zip(results, mine))
+        rows.append([first["workload"], first["dtype"], first["mode"], *(median_ms(pooled, k) for k in MODELS),
+                     spread(ratios(pooled, "attnres", "llama")), spread(ratios(pooled, "llama-2", "llama")),
+                     by_order, len(pooled)])
+    return rows
 
 
 def _status_mib(field: str) -> float:
@@ -233,7 +286,7 @@ def memory_rows(args) -> tuple[list[list], list[list]]:
             for repeat in range(args.memory_probes):
                 for kind in rotation(list(MODELS), repeat):
                     out, log = Path(tmp) / f"{kind}.json", Path(tmp) / f"{kind}.log"
-                    cmd = [sys.executable, __file__, *sys.argv[1:], "--memory-probe", kind, "--dtype", dtype_name,
+                    cmd = [sys.executable, __file__, *args.argv, "--memory-probe", kind, "--dtype", dtype_name,
                            "--probe-out", str(out)]
                     code = run_logged(cmd, log, timeout=1800)
                     if code != 0 or not out.exists():
@@ -345,7 +398,13 @@ def parse_args(argv=None):
                              "fused-llama: the same against Llamas whose residual adds are fused into the next "
                              "RMSNorm (bench/fused_llama.py); torch-path: AttnRes with the kernel off; compiled: "
                              "generate() with a static cache and transformers' compile_config")
-    parser.add_argument("--repeats", type=int, default=12, help="paired repeats (a multiple of 6 is balanced)")
+    parser.add_argument("--repeats", type=int, default=12,
+                        help="paired repeats in all, split between the build orders (6 per order is balanced)")
+    parser.add_argument("--build-order", choices=("both", *BUILD_ORDERS), default="both",
+                        help="both (default): the models built forward (AttnRes, Llama, Llama (A/A)) in one fresh "
+                             "process, then reversed in another, pairs pooled; forward/reverse: one order, here")
+    parser.add_argument("--seed", type=int, default=0, help="of the random prompts")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per build order's process")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--inductor-cpp-wrapper", action="store_true",
@@ -356,7 +415,9 @@ def parse_args(argv=None):
     parser.add_argument("--memory-probe", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--timing-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     check_model_arguments(parser, args)
     return args
 
@@ -381,10 +442,17 @@ def main(argv=None) -> None:
         return
     torch.set_num_threads(args.threads)
     apply_inductor_settings(args)
+    if args.timing_out:
+        Path(args.timing_out).write_text(json.dumps(time_order(args)))
+        return
+    orders = list(BUILD_ORDERS) if args.build_order == "both" else [args.build_order]
+    per_order = -(-args.repeats // len(orders))
     settings = {"dtypes": ", ".join(args.dtypes), "modes": ", ".join(args.modes),
                 "bank dtype": args.bank_dtype or "from the config", "attention": "sdpa", "device": args.device,
-                "repeats": f"{args.repeats} in rotating order ("
-                           f"{'balanced' if balanced(args.repeats, 3) else 'not a multiple of 6: unbalanced'})",
+                "build orders": " then ".join(f"{o} ({', '.join(LABELS[k] for k in BUILD_ORDERS[o])})" for o in orders)
+                                + (", each in a fresh process" if len(orders) > 1 else ""),
+                "repeats": f"{per_order} per build order in rotating order ("
+                           f"{'balanced' if balanced(per_order, 3) else 'not a multiple of 6: unbalanced'}), pooled",
                 "prompts": "fresh random token ids every repeat, shared by the three models; warm-up at the timed "
                            "size", "timed": "one whole generate() call",
                 "Inductor's wrapper": "C++ (cpp_wrapper)" if args.inductor_cpp_wrapper else "Python (torch's default)"}
@@ -393,16 +461,11 @@ def main(argv=None) -> None:
         print(markdown_table(["model", "attn_res_bank_dtype", "bank kept in", "max |logit error|", "RMS error",
                               "relative error", "top-1 agreement"], accuracy_rows(args)))
         print("\n(bfloat16 vs the same model in float64, 4 x 64 random tokens; AttnRes with the CPU kernel)\n")
-    rows, before = [], dict(TIMED)
-    for dtype_name in args.dtypes:
-        models = build_models(args, DTYPES[dtype_name])
-        for mode in args.modes:
-            rows += time_mode(args, models, dtype_name, mode)
-        del models
-    share = (TIMED["cpu"] - before["cpu"]) / max(TIMED["wall"] - before["wall"], 1e-9) / args.threads
+    results = time_orders(args)
+    share = sum(r["cpu"] for r in results) / max(sum(r["wall"] for r in results), 1e-9) / args.threads
     print(markdown_table(["workload", "dtype", "mode", *(f"{LABELS[k]} ms" for k in MODELS),
                           "AttnRes / Llama (median, min-max)", "A/A: Llama (A/A) / Llama (median, min-max)",
-                          "pairs"], rows))
+                          "by build order: ratio / A/A", "pairs"], timing_rows(results)))
     print(f"\nCPU share of the timing (process CPU time / wall time / threads; 100 % = the cores to itself): "
           f"{100 * share:.0f} %")
     if not args.no_memory and args.device.startswith("cuda"):

@@ -219,8 +219,10 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
               "--accuracy", "--repeats", "2", "--prefill-tokens", "8", "--prompt-tokens", "4", "--new-tokens", "2",
               "--decode-batches", "2", "--dtypes", "bfloat16", "--modes", "eager", "fused-llama",
               "--memory-probes", "1")
-    assert_header(out, "repeats 2 in rotating order", "fresh random token ids every repeat",
-                  "modes eager, fused-llama", "Inductor's wrapper Python (torch's default)")
+    assert_header(out, "repeats 1 per build order in rotating order", "fresh random token ids every repeat",
+                  "modes eager, fused-llama", "Inductor's wrapper Python (torch's default)",
+                  "build orders forward (AttnRes, Llama, Llama (A/A)) then reverse (Llama (A/A), Llama, AttnRes), "
+                  "each in a fresh process")
     assert "hidden 64, 4 layers, block size 2" in out and str(tmp_path / "llama") in out, out
     accuracy, timing, memory, layers = tables(out)
     assert [(r["model"], r["attn_res_bank_dtype"], r["bank kept in"]) for r in accuracy] == [
@@ -229,9 +231,15 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
         (workload, mode) for mode in ("eager", "fused-llama") for workload in ("prefill 1x8", "decode 2x2 (prompt 4)")
     ], out
     for row in timing:
-        spread(column(row, "AttnRes / Llama"))
-        spread(column(row, "A/A: Llama (A/A) / Llama"))
+        pooled = spread(column(row, "AttnRes / Llama")), spread(column(row, "A/A: Llama (A/A) / Llama"))
         assert row["pairs"] == "2" and all(float(row[f"{m} ms"]) > 0 for m in ("AttnRes", "Llama", "Llama (A/A)"))
+        # one pair per build order, pooled: each order's ratio (and A/A) is one end of the pooled spread
+        by_order = re.fullmatch(r"forward: (\d\.\d+) / (\d\.\d+); reverse: (\d\.\d+) / (\d\.\d+)",
+                                row["by build order: ratio / A/A"])
+        assert by_order, row
+        ratio, aa = (sorted(map(float, by_order.groups()[i::2])) for i in (0, 1))
+        for (_, low, high), ends in zip(pooled, (ratio, aa)):
+            assert ends == pytest.approx([low, high], abs=1.5e-3), row
     assert re.search(r"^CPU share of the timing .*: \d+ %$", out, re.M), out
     (peak,) = memory
     assert float(peak["Llama (A/A) peak RSS MiB"]) > 0 and re.fullmatch(r"\*\*\d+\.\d+\*\*", peak["A/A"]), out
