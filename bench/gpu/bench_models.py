@@ -12,7 +12,11 @@ kernels (the default on a GPU) and on the torch path (`enable_triton_kernel(Fals
 one whole `generate()` call per model, as users run it; every repeat makes fresh random prompts shared
 by all models, which run in the rotating order of `common.rotation` after an untimed warm-up at the
 timed size, and must all produce the same number of tokens. Each AttnRes/Llama ratio is printed with
-its pairs' min-max and, beside it, the A/A ratio (Llama (A/A)/Llama) measured the same way.
+its pairs' min-max and, beside it, the A/A ratio (Llama (A/A)/Llama) measured the same way. The models
+are built in one order (AttnRes, Llama, Llama (A/A)) for half the repeats, then freed and built in the
+reverse order for the other half (`--build-order both`, the default): each order's rows are printed as
+measured, then the pairs of both pooled, so that where a model's memory landed does not pass for a
+difference between the models.
 
 `--compiled` runs transformers' recipe for fast decoding instead: `generate(..., cache_implementation=
 "static", compile_config=CompileConfig(mode="reduce-overhead", fullgraph=True))`, which compiles the
@@ -48,6 +52,8 @@ from modeling_attnres.depth_attention_triton import enable_triton_kernel  # noqa
 
 LLAMA_3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=14336, vocab_size=128256, block_size=4)
+LABELS = {"attnres": "AttnRes", "llama": "Llama", "llama-2": "Llama (A/A)"}
+ORDERS = {"forward": ["attnres", "llama", "llama-2"], "reverse": ["llama-2", "llama", "attnres"]}
 COLUMNS = ["workload", "AttnRes", "AttnRes ms", "Llama ms", "Llama (A/A) ms", "AttnRes / Llama (median, min-max)",
            "A/A: Llama (A/A) / Llama (median, min-max)", "pairs"]
 
@@ -97,7 +103,8 @@ def peak_memory_rows(models: dict, args) -> list[list]:
     over what was allocated before counts), with the weights."""
     peaks = {}
     ids = random_ids(args, 1, args.prefill_tokens, 99)
-    for kind, model in models.items():
+    for kind in ORDERS["forward"]:
+        model = models[kind]
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         enable_triton_kernel(True)
         torch.cuda.synchronize()
@@ -107,7 +114,7 @@ def peak_memory_rows(models: dict, args) -> list[list]:
         torch.cuda.synchronize()
         peaks[kind] = ((torch.cuda.max_memory_allocated() - before) / 2**20, weights / 2**20)
     return [[f"prefill 1x{args.prefill_tokens}", kind, f"{peaks[kind][1]:.0f}", f"{peaks[kind][0]:.0f}",
-             f"**{peaks[kind][0] / peaks['llama'][0]:.3f}**"] for kind in models]
+             f"**{peaks[kind][0] / peaks['llama'][0]:.3f}**"] for kind in ORDERS["forward"]]
 
 
 def check_backends_agree(args, dtype: torch.dtype, layers: int = 4) -> tuple[str, bool]:
@@ -145,6 +152,8 @@ def parse_args():
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=16,
                         help="paired repeats (balanced: a multiple of 8 eager, of 6 compiled)")
+    parser.add_argument("--build-order", choices=("both", *ORDERS), default="both",
+                        help="both: half the repeats with the models built forward, half reversed, pooled")
     parser.add_argument("--compiled", action="store_true", help="generate() with a static cache and CUDA graphs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -153,37 +162,63 @@ def parse_args():
     return args
 
 
+def build_models(args, dtype: torch.dtype, order: list[str]) -> dict:
+    """AttnRes, Llama and the A/A Llama, built in `order`."""
+    return {kind: build(kind.removesuffix("-2"), args, dtype, device=args.device) for kind in order}
+
+
+def time_workloads(args, models: dict, shapes: list, repeats: int, order: str, seed: int) -> dict[str, list]:
+    """Each workload's runs with `models`, each row printed as soon as it is measured (a run cut short by
+    its time limit keeps them)."""
+    found = {}
+    for index, (kind, batch, tokens, new) in enumerate(shapes):
+        name = f"prefill 1x{tokens}" if kind == "prefill" else f"decode {batch}x{new} (prompt {tokens})"
+        runners = runners_for(models, args, new)
+        found[name] = rotate_runs(
+            runners, lambda repeat, b=batch, t=tokens, i=index: random_ids(args, b, t, seed + 1000 * i + repeat),
+            repeats, count=lambda out: tuple(out.shape))
+        for row in workload_rows(name, found[name], runners):
+            print("| " + " | ".join(str(c) for c in [order, *row]) + " |", flush=True)
+    return found
+
+
 def main() -> None:
     args = parse_args()
     dtype = getattr(torch, args.dtype)
-    models = {kind: build(kind.removesuffix("-2"), args, dtype, device=args.device)
-              for kind in ("attnres", "llama", "llama-2")}
     with torch.inference_mode():
         enable_triton_kernel(True)
         backend = site_backend(torch.zeros(1, device=args.device))
     agree, agreed = ("-", True) if args.compiled else check_backends_agree(args, dtype)
-    runners = runners_for(models, args, args.new_tokens)
+    orders = list(ORDERS) if args.build_order == "both" else [args.build_order]
+    per_order = -(-args.repeats // len(orders))
+    runners = 3 if args.compiled else 4
     mode = ("generate() with a static cache, compile_config(mode='reduce-overhead', fullgraph=True): CUDA graphs; "
             "AttnRes sites on the torch path, compiled by Inductor") if args.compiled else (
             f"eager generate(); AttnRes sites on {backend} and on the torch path (Triton vs torch logits of a "
             f"{min(4, args.num_hidden_layers)}-layer model of this width agree to {agree} of the largest)")
     settings = {"dtype": args.dtype, "mode": mode, "device": args.device,
-                "repeats": f"{args.repeats} in rotating order "
-                           f"({'balanced' if balanced(args.repeats, len(runners)) else 'unbalanced'})",
+                "build orders": " then ".join(f"{o} ({', '.join(LABELS[k] for k in ORDERS[o])})" for o in orders),
+                "repeats": f"{per_order} per build order in rotating order "
+                           f"({'balanced' if balanced(per_order, runners) else 'unbalanced'})",
                 "prompts": "fresh random token ids every repeat, shared by all models; warm-up at the timed size"}
     print(header(f"transformers on one GPU, AttnRes / Llama with an A/A control: random weights, hidden "
                  f"{args.hidden_size}, {args.num_hidden_layers} layers, block size {args.block_size}, vocab "
                  f"{args.vocab_size}", settings) + "\n", flush=True)
     shapes = [] if args.compiled else [("prefill", 1, args.prefill_tokens, 1)]
     shapes += [("decode", b, args.prompt_tokens, args.new_tokens) for b in args.decode_batches]
-    print(markdown_table(COLUMNS, []), flush=True)
-    for index, (kind, batch, tokens, new) in enumerate(shapes):
-        name = f"prefill 1x{tokens}" if kind == "prefill" else f"decode {batch}x{new} (prompt {tokens})"
-        runs = rotate_runs(runners_for(models, args, new),
-                           lambda repeat, b=batch, t=tokens, i=index: random_ids(args, b, t, 1000 * i + repeat),
-                           args.repeats, count=lambda out: tuple(out.shape))
-        for row in workload_rows(name, runs, runners):
-            print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+    print(markdown_table(["build order", *COLUMNS], []), flush=True)
+    pooled: dict[str, list] = {}
+    for i, order in enumerate(orders):
+        models = build_models(args, dtype, ORDERS[order])
+        for name, runs in time_workloads(args, models, shapes, per_order, order, 1_000_000 * i).items():
+            pooled.setdefault(name, []).extend(runs)
+        if i + 1 < len(orders):
+            del models
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    print("\n" + markdown_table(COLUMNS, [row for name, runs in pooled.items()
+                                          for row in workload_rows(name, runs, runners_for(models, args, 1))]))
+    print(f"\n(pooled over the build orders: {', '.join(orders)})")
     if args.device == "cuda" and not args.compiled:
         print("\n" + markdown_table(["memory", "model", "weights MiB", "a prefill's own peak MiB",
                                      "/ Llama's"], peak_memory_rows(models, args)))

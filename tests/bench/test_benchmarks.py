@@ -546,9 +546,16 @@ def test_gpu_run_sh_dry_run_writes_one_table_per_step_and_names_what_failed(tmp_
     assert "torch " in files["env.md"] and "AMX bfloat16: " in files["env.md"], files["env.md"]
     assert "vLLM step is not run" in files["vllm.md"]
     assert "A/A: Triton / Triton" in files["kernel.md"], files["kernel.md"]
-    timing = tables(files["transformers.md"])[0]
-    assert {(r["workload"], r["AttnRes"]) for r in timing} == {
-        (w, b) for w in ("prefill 1x8", "decode 1x2 (prompt 4)") for b in ("triton", "torch")}, files["transformers.md"]
-    for row in timing:
-        spread(column(row, "AttnRes / Llama"))
-        spread(column(row, "A/A: Llama (A/A) / Llama"))
+    by_order, pooled = tables(files["transformers.md"])
+    cases = [(w, b) for w in ("prefill 1x8", "decode 1x2 (prompt 4)") for b in ("triton", "torch")]
+    assert [(r["build order"], r["workload"], r["AttnRes"]) for r in by_order] == [
+        (order, *case) for order in ("forward", "reverse") for case in cases], files["transformers.md"]
+    assert [(r["workload"], r["AttnRes"]) for r in pooled] == cases, files["transformers.md"]
+    assert "build orders forward (AttnRes, Llama, Llama (A/A)) then reverse (Llama (A/A), Llama, AttnRes)" \
+        in files["transformers.md"]
+    for row in pooled:       # one pair per build order (--repeats 2): the pooled spread's ends are the orders'
+        mine = [r for r in by_order if (r["workload"], r["AttnRes"]) == (row["workload"], row["AttnRes"])]
+        assert row["pairs"] == "2" and [r["pairs"] for r in mine] == ["1", "1"], files["transformers.md"]
+        for name in ("AttnRes / Llama", "A/A: Llama (A/A) / Llama"):
+            _, low, high = spread(column(row, name))
+            assert sorted(spread(column(r, name))[0] for r in mine) == pytest.approx([low, high], abs=1.5e-3), row
