@@ -215,6 +215,26 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
                               f"{hub_reason(err, revision)}; or download it and pass its folder.") from err
 
 
+def is_builtin(model: str | Path) -> bool:
+    """Whether a model argument names a built-in model (`builtin:NAME`, as `attnres-serve` takes it)."""
+    return str(model).startswith("builtin:")
+
+
+def builtin_folder(src: str, prog: str) -> str:
+    """`src` itself, or the folder of the built-in model it names (`builtin:NAME`, as `attnres-serve` takes it:
+    built on first use and cached; an unknown name is a usage error listing the built-in models). `prog`
+    names the command in the build's progress lines."""
+    if not is_builtin(src):
+        return src
+    from attnres.serving.default_model import DefaultModelUnavailable  # the server's names and cache, only here
+    from attnres.serving.defaults import resolve_model
+
+    try:
+        return resolve_model(src, prog=prog)
+    except DefaultModelUnavailable as err:           # no registry, a wrong download: said in one line
+        raise ConversionError(" ".join(str(err).split())) from err
+
+
 def read_json_object(path: Path) -> dict:
     """The JSON object in `path` (a config); a file that cannot be read, is not JSON or holds no object is a
     `ConversionError` naming it."""

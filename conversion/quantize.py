@@ -40,6 +40,7 @@ from modeling_attnres.configuration_attnres import AUTO_MAP
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES, SEED_KEY_ALIASES
 
 from .checkpoint_io import (
+    builtin_folder,
     check_attnres_config,
     check_destination,
     copy_side_files,
@@ -183,20 +184,6 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
     return done
 
 
-def source_folder(src: str) -> str:
-    """`src` itself, or the folder of the built-in model it names (`builtin:NAME`, as `attnres-serve` takes it:
-    built on first use and cached; an unknown name is a usage error listing the built-in models)."""
-    if not src.startswith("builtin:"):
-        return src
-    from attnres.serving.default_model import DefaultModelUnavailable  # the server's names and cache, only here
-    from attnres.serving.defaults import resolve_model
-
-    try:
-        return resolve_model(src, prog="attnres-quantize")
-    except DefaultModelUnavailable as err:           # no registry, a wrong download: said in one line
-        raise ConversionError(" ".join(str(err).split())) from err
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`attnres-quantize SRC DST [--overwrite] [--reduce-range]`: W8A8 int8 (compressed-tensors) for vLLM."""
     parser = argparse.ArgumentParser(prog="attnres-quantize", description=main.__doc__)
@@ -210,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "int8 GEMM overflows full-range weights; half the weights' resolution")
     args = parser.parse_args(argv)
     try:
-        done = quantize_checkpoint(source_folder(args.src), args.dst, overwrite=args.overwrite,
+        done = quantize_checkpoint(builtin_folder(args.src, "attnres-quantize"), args.dst, overwrite=args.overwrite,
                                    reduce_range=args.reduce_range)
     except (ConversionError, OSError) as err:
         return fail("attnres-quantize", err)

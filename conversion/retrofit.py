@@ -43,8 +43,10 @@ from transformers import TrainerCallback
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
 from .checkpoint_io import (
+    builtin_folder,
     check_attnres_config,
     check_destination,
+    is_builtin,
     path_argument,
     read_json_object,
     write_failures_named,
@@ -81,7 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(prog="attnres-retrofit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", type=path_argument("MODEL"), help="a converted AttnRes checkpoint folder")
+    p.add_argument("model", type=path_argument("MODEL"),
+                   help="a converted AttnRes checkpoint folder, or a built-in model (builtin:smollm2-135m-attnres, "
+                        "builtin:attnres-tiny, ...)")
     p.add_argument("corpus", type=path_argument("CORPUS"), help="a text file or a folder of text files")
     p.add_argument("--out", type=path_argument("--out"), help="write the trained model here (default: WORK_DIR/final)")
     p.add_argument("--export-depth", type=path_argument("--export-depth"),
@@ -113,7 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, help="checkpoint and exit after this step (simulates an interruption)")
     args = p.parse_args(argv)
     args.pattern = tuple(args.pattern or DEFAULT_PATTERNS)
-    args.work_dir = args.work_dir or user_cache_dir() / "retrofit" / args.model.resolve().name
+    name = str(args.model).removeprefix("builtin:") if is_builtin(args.model) else args.model.resolve().name
+    args.work_dir = args.work_dir or user_cache_dir() / "retrofit" / name
     return args
 
 
@@ -523,6 +528,8 @@ def retrofit(args) -> dict:
     """Load, measure, train, measure, save, export; returns the metrics (also in DST/retrofit.json)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_args(args, world_size)
+    if is_builtin(args.model):                          # its folder, built on first use (after the cheap checks)
+        args.model = Path(builtin_folder(str(args.model), "attnres-retrofit"))
     check_outputs(args)
     check_distributed(world_size)
     check_positions(args.seq_len, check_attnres(args.model))

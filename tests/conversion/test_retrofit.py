@@ -122,6 +122,29 @@ def test_resume_passes_over_a_checkpoint_cut_short_and_still_equals_an_uninterru
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_a_builtin_model_is_retrofitted_from_its_folder_and_an_unknown_name_is_a_usage_error(corpus, tmp_path,
+                                                                                              capsys):
+    """MODEL may name a built-in model as attnres-serve and attnres-quantize take it (`builtin:attnres-tiny`):
+    its folder is trained from, and left as it was; the default work dir is named after it."""
+    from attnres.models import shipped_model_path
+    from attnres.serving.defaults import BUILTIN_MODELS
+
+    shipped = shipped_model_path()
+    before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in shipped.iterdir()}
+    assert retrofit.parse_args(["builtin:attnres-tiny", str(corpus)]).work_dir.name == "attnres-tiny"
+    metrics = run("builtin:attnres-tiny", corpus, tmp_path / "w", "--steps", "2", "--out", str(tmp_path / "out"))
+    assert metrics["model"] == str(shipped) and metrics["steps"] == 2, metrics
+    assert AutoConfig.from_pretrained(tmp_path / "out").num_hidden_layers == AutoConfig.from_pretrained(
+        shipped).num_hidden_layers
+    assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in shipped.iterdir()} == before
+    capsys.readouterr()
+    assert retrofit.main(["builtin:attnres-huge", str(corpus), "--work-dir", str(tmp_path / "w2")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"attnres-retrofit: error: unknown built-in model 'builtin:attnres-huge'; the built-in models are "
+        f"{', '.join(BUILTIN_MODELS)}"]
+    assert not (tmp_path / "w2").exists()
+
+
 def test_two_runs_in_one_work_dir_are_refused(zeroed, corpus, tmp_path):
     with retrofit.work_dir_lock(tmp_path / "w"):
         with pytest.raises(retrofit.RetrofitError, match="is in use by another attnres-retrofit run"):
