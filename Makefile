@@ -40,7 +40,7 @@ demo: install
 
 # Retrain the shipped model (under an hour on one CPU thread; see docs/training.md).
 train: install
-	$(PY) examples/train.py --arch block --out models/attnres-tiny
+	$(PY) examples/train.py --arch block --out models/attnres-tiny --overwrite
 
 plot: install
 	$(PY) examples/plot_depth_attention.py models/attnres-tiny --out docs/depth_attention.png

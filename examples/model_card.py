@@ -35,9 +35,9 @@ def command_line(args, defaults: dict) -> str:
     (the training script's parsed defaults, passed in so this module does not import the script)."""
     parts = [".venv/bin/python examples/train.py"]
     for key, value in vars(args).items():
-        if key in ("work_dir", "threads", "stop_after", "no_resume") or value == defaults.get(key):
+        if key in ("work_dir", "threads", "stop_after", "no_resume", "overwrite") or value == defaults.get(key):
             continue
-        parts.append(f"--{key.replace('_', '-')} {value}")
+        parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))    # a flag: no value
     return " ".join(parts)
 
 
@@ -46,7 +46,7 @@ def export_model(model, tok, args, metrics: dict, heldout: str, defaults: dict) 
 
     `defaults` are the training script's default arguments, for the card's reproduce command."""
     out = Path(args.out)
-    with staged_folder(out) as tmp:
+    with staged_folder(out, overwrite=getattr(args, "overwrite", False)) as tmp:   # checked before training
         dtype = getattr(torch, args.save_dtype)
         model.to(dtype).save_pretrained(tmp)
         model.to(torch.float32)

@@ -1,6 +1,6 @@
 """Train a small causal LM on CPython's standard library: Block AttnRes, Full AttnRes or a Llama baseline.
 
-    .venv/bin/python examples/train.py --arch block --out models/attnres-tiny
+    .venv/bin/python examples/train.py --arch block --out models/attnres-tiny --overwrite
 
 Deterministic given `--seed` (file list, split, tokenizer, initialisation and data order are all
 functions of the seed and the arguments), with a tqdm bar showing loss and tokens/s, and resumable:
@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnres_data as data  # noqa: E402
 from model_card import export_model  # noqa: E402
 
+from attnres.conversion.checkpoint_io import check_destination  # noqa: E402
+from attnres.conversion.errors import ConversionError  # noqa: E402
 from attnres.conversion.publish import staged_file, user_cache_dir  # noqa: E402
 
 ARCHS = ("block", "full", "llama")
@@ -49,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=ARCHS, default="block", help="residual path (default: block)")
     p.add_argument("--out", type=Path, help="write the trained model folder here (save_pretrained layout)")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out folder that holds a checkpoint")
     p.add_argument("--work-dir", type=Path, help="checkpoints and token cache (default: the user cache, "
                    "~/.cache/attnres/train/ARCH)")
     p.add_argument("--corpus-root", type=Path, help="folder of .py files (default: this Python's stdlib)")
@@ -102,6 +105,14 @@ def check_args(args: argparse.Namespace) -> None:
     if args.vocab_size < 256 + len(data.SPECIAL_TOKENS):
         raise SystemExit(f"error: --vocab-size {args.vocab_size} is below the 256 byte tokens plus "
                          f"{len(data.SPECIAL_TOKENS)} special tokens; use at least 300")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise SystemExit(f"error: --lr must be a finite number > 0, got {args.lr} (the default is 2e-3)")
+    if args.out is not None:          # before training: the output replaces --out whole, as attnres-convert's DST
+        try:
+            check_destination(args.out, args.corpus_root or data.stdlib_root(), args.overwrite, "--out",
+                              "--corpus-root")
+        except ConversionError as err:
+            raise SystemExit(f"error: {err}") from None
 
 
 # ----------------------------------------------------------------------------------------- data

@@ -108,6 +108,41 @@ def test_the_model_card_describes_this_run(tiny_corpus, tmp_path):
     assert 4 * 4 * 32 / split <= epochs <= 4 * 4 * 32 / (split / 8)     # 4 steps of 4 x 32 tokens
 
 
+def test_an_out_that_would_lose_data_is_refused_before_training(tiny_corpus, tmp_path, monkeypatch):
+    """--out replaces its folder whole: a folder of other files, a file, the current folder, or a checkpoint
+    without --overwrite is refused before any training, and left as it was."""
+    def refused(out, *extra) -> str:
+        with pytest.raises(SystemExit) as exited:
+            run(tiny_corpus, tmp_path / "work", "--steps", "2", "--out", str(out), *extra)
+        assert not (tmp_path / "work").exists(), "trained before refusing"
+        return str(exited.value)
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "paper.tex").write_text("precious")
+    assert "exists and is not empty; pass --overwrite" in refused(notes)
+    assert "holds files that are not a checkpoint" in refused(notes, "--overwrite")
+    assert (notes / "paper.tex").read_text() == "precious"
+    (tmp_path / "afile").write_text("kept")
+    assert "exists and is not a folder" in refused(tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "kept"
+    monkeypatch.chdir(notes)
+    assert "is the current folder" in refused(notes, "--overwrite")
+    assert "overlaps --corpus-root" in refused(tiny_corpus / "model")
+    monkeypatch.chdir(tmp_path)
+    run(tiny_corpus, tmp_path / "w1", "--steps", "2", "--out", str(tmp_path / "out"))
+    assert "pass --overwrite" in refused(tmp_path / "out")
+    run(tiny_corpus, tmp_path / "w2", "--steps", "2", "--out", str(tmp_path / "out"), "--overwrite")  # a checkpoint
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "--overwrite" not in card and "--steps 2" in card, card
+
+
+def test_a_bad_learning_rate_is_refused_naming_it():
+    for value in ("-1", "0", "nan"):
+        with pytest.raises(SystemExit, match=f"--lr must be a finite number > 0, got {float(value)}"):
+            train.check_args(train.parse_args(["--lr", value]))
+
+
 def test_model_card_does_not_import_the_training_script():
     import ast
 
