@@ -44,8 +44,17 @@ def push_folder(folder: Path, repo_id: str, *, private: bool | None = None, toke
     api = HfApi(endpoint=endpoint, token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(folder_path=folder, repo_id=repo_id, revision=revision,
+        if private and not api.repo_info(repo_id).private:
+            raise ConversionError(
+                f"--private: the Hub repo {repo_id!r} already exists and is public, and a push does not change a "
+                f"repo's visibility; nothing was uploaded. Make it private in its settings on the Hub, then push "
+                f"with `{upload_command(repo_id, folder, private, revision)}` (or push to a new repo id).")
+        # `delete_patterns`: the repo's files become exactly the folder's, so an earlier push's weights (a
+        # `model.safetensors` beside new shards, which transformers would load first) do not survive it
+        info = api.upload_folder(folder_path=folder, repo_id=repo_id, revision=revision, delete_patterns="*",
                                  commit_message="Upload AttnRes checkpoint converted with attnres-convert")
+    except ConversionError:
+        raise
     except Exception as err:  # HTTP, auth and validation errors all end the run the same way
         reason = hub_reason(err, revision, writing=True)
         raise ConversionError(f"Pushing {folder} to the Hub repo {repo_id!r} failed: {reason}. The converted "
@@ -55,9 +64,10 @@ def push_folder(folder: Path, repo_id: str, *, private: bool | None = None, toke
 
 
 def upload_command(repo_id: str, folder: Path, private: bool | None = None, revision: str | None = None) -> str:
-    """The `hf upload` command that pushes `folder` as `push_folder` would, quoted for a shell: with
-    `--private` where the push asked for it (`hf upload` creates a missing repo public otherwise)."""
-    words = ["hf", "upload", repo_id, str(folder)]
+    """The `hf upload` command that pushes `folder` as `push_folder` would, quoted for a shell: the repo's
+    other files deleted (`--delete '*'`), with `--private` where the push asked for it (`hf upload` creates
+    a missing repo public otherwise)."""
+    words = ["hf", "upload", repo_id, str(folder), "--delete", "*"]
     words += ["--private"] if private else []
     words += ["--revision", revision] if revision else []
     return shlex.join(words)

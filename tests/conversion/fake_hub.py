@@ -27,6 +27,8 @@ ROUTES = [
     ("PUT", re.compile(r"/lfs-upload/(?P<oid>[0-9a-f]{64})"), "lfs_upload"),
     ("POST", re.compile(r"/lfs-verify"), "lfs_verify"),
     ("POST", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/?]+)"), "commit"),
+    ("GET", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/?]+)"), "tree"),
+    ("GET", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)(/revision/(?P<rev>[^/?]+))?"), "repo_info"),
 ]
 
 
@@ -35,7 +37,7 @@ class FakeHub:
 
     def __init__(self, cache: Path):
         self.cache = Path(cache)
-        self.repos, self.objects, self.commits, self.unexpected, self.calls = set(), {}, [], [], []
+        self.repos, self.objects, self.commits, self.unexpected, self.calls = {}, {}, [], [], []   # repos: private
         self.card_metadata = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -50,9 +52,26 @@ class FakeHub:
 
     # -- endpoints: each returns (status, json body) --------------------------------------------
     def create_repo(self, body, **_):
+        """As the Hub: 409 for a repo that exists (its visibility unchanged), else created public or private."""
         repo_id = f"{body['organization']}/{body['name']}" if body.get("organization") else body["name"]
-        self.repos.add(repo_id)
+        if repo_id in self.repos:
+            return 409, {"error": "You already created this model repo", "url": f"{self.url}/{repo_id}"}
+        self.repos[repo_id] = body.get("private") is True or body.get("visibility") == "private"
         return 200, {"url": f"{self.url}/{repo_id}", "name": repo_id}
+
+    def repo_info(self, repo, rev=None, **_):
+        if repo not in self.repos:
+            return 404, {"error": f"Repository {repo} not found"}
+        return 200, {"id": repo, "modelId": repo, "private": self.repos[repo], "sha": self._ref(repo, rev or "main")}
+
+    def tree(self, repo, rev, **_):
+        """The files of a revision (one page; a new repo's `main` is empty here)."""
+        if repo not in self.repos:
+            return 404, {"error": f"Repository {repo} not found"}
+        snapshot = self._snapshot(repo, rev)
+        files = sorted(p for p in snapshot.rglob("*") if p.is_file()) if snapshot else []
+        return 200, [{"type": "file", "path": str(p.relative_to(snapshot)), "size": p.stat().st_size,
+                      "oid": hashlib.sha1(p.read_bytes()).hexdigest()} for p in files]
 
     def agent_harnesses(self, **_):
         """A best-effort registry huggingface_hub fetches for its user agent; empty here."""
@@ -95,10 +114,12 @@ class FakeHub:
 
     def commit(self, raw, repo, rev, **_):
         lines = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-        files = {}
+        files, deleted = {}, []
         for item in lines[1:]:
             value = item["value"]
-            if item["key"] == "file":
+            if item["key"] == "deletedFile":
+                deleted.append(value["path"])
+            elif item["key"] == "file":
                 files[value["path"]] = base64.b64decode(value["content"])
             elif item["key"] == "lfsFile":
                 if value["oid"] not in self.objects:
@@ -106,14 +127,24 @@ class FakeHub:
                 files[value["path"]] = self.objects[value["oid"]]
             else:
                 return 400, {"error": f"unsupported commit operation {item['key']}"}
-        sha = self._write_snapshot(repo, rev, files)
-        self.commits.append({"repo": repo, "header": lines[0]["value"], "files": sorted(files), "sha": sha})
+        sha = self._write_snapshot(repo, rev, files, deleted)
+        self.commits.append({"repo": repo, "header": lines[0]["value"], "files": sorted(files), "sha": sha,
+                             "deleted": sorted(deleted)})
         return 200, {"commitUrl": f"{self.url}/{repo}/commit/{sha}", "commitOid": sha, "pullRequestUrl": None}
 
-    def _write_snapshot(self, repo: str, rev: str, files: dict[str, bytes]) -> str:
+    def _ref(self, repo: str, rev: str) -> str | None:
+        refs = self.cache / f"models--{repo.replace('/', '--')}" / "refs" / rev
+        return refs.read_text() if refs.exists() else None
+
+    def _snapshot(self, repo: str, rev: str) -> Path | None:
+        sha = self._ref(repo, rev)
+        return self.cache / f"models--{repo.replace('/', '--')}" / "snapshots" / sha if sha else None
+
+    def _write_snapshot(self, repo: str, rev: str, files: dict[str, bytes], deleted: list[str]) -> str:
+        """A new snapshot: the parent's files, less `deleted`, plus `files`; `rev` then points at it."""
         root = self.cache / f"models--{repo.replace('/', '--')}"
         refs = root / "refs" / rev
-        parent = root / "snapshots" / refs.read_text() if refs.exists() else None
+        parent = self._snapshot(repo, rev)
         digest = hashlib.sha1(str(len(self.commits)).encode())
         for path in sorted(files):
             digest.update(path.encode() + files[path])
@@ -121,6 +152,8 @@ class FakeHub:
         snapshot = root / "snapshots" / sha
         if parent is not None:
             shutil.copytree(parent, snapshot)
+        for path in deleted:
+            (snapshot / path).unlink()
         for path, data in files.items():
             (snapshot / path).parent.mkdir(parents=True, exist_ok=True)
             (snapshot / path).write_bytes(data)

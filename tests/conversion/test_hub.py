@@ -153,13 +153,39 @@ def test_a_token_the_hub_refuses_is_one_line_and_keeps_the_conversion(tmp_path, 
     assert main([str(src), str(tmp_path / "dst"), "--no-verify", "--push-to-hub", "me/tiny-attnres"]) == 1
     line = only_error_line(capsys.readouterr().err)
     assert "'me/tiny-attnres' failed: the Hub refused the token (HTTP 401: set HF_TOKEN to a valid token)" in line
-    assert f"push it again with `hf upload me/tiny-attnres {tmp_path / 'dst'}`" in line
+    assert f"push it again with `hf upload me/tiny-attnres {tmp_path / 'dst'} --delete '*'`" in line
     assert hub.commits == [] and (tmp_path / "dst" / "model.safetensors").exists()
     # A private push's retry stays private (`hf upload` creates a missing repo public), its path quoted.
     dst = tmp_path / "my models" / "dst"
     assert main([str(src), str(dst), "--no-verify", "--push-to-hub", "me/tiny-attnres", "--private"]) == 1
     line = only_error_line(capsys.readouterr().err)
-    assert f"push it again with `hf upload me/tiny-attnres '{dst}' --private`" in line
+    assert f"push it again with `hf upload me/tiny-attnres '{dst}' --delete '*' --private`" in line
+
+
+def test_a_second_push_replaces_the_repos_files_and_private_is_never_ignored(tmp_path, capsys, hub_without_login):
+    """A push leaves the repo holding exactly DST's files: an earlier push's `model.safetensors` beside new
+    shards would be what transformers loads. `--private` on an existing public repo, whose visibility a push
+    cannot change, is refused before uploading."""
+    hub, mp = hub_without_login
+    mp.setenv("HF_TOKEN", "hf_test_token")
+    first, second = (save_source(source_model("llama", eps=1e-6, seed=seed), tmp_path / f"src{seed}", shards=False)
+                     for seed in (0, 1))
+    assert main([str(first), str(tmp_path / "one"), "--no-verify", "--push-to-hub", "me/tiny-attnres"]) == 0
+    assert main([str(second), str(tmp_path / "two"), "--no-verify", "--max-shard-size", "40KB",
+                 "--push-to-hub", "me/tiny-attnres"]) == 0
+    snapshot = hub.cache / "models--me--tiny-attnres" / "snapshots" / hub.commits[-1]["sha"]
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert "model.safetensors" in hub.commits[-1]["deleted"] and not (snapshot / "model.safetensors").exists()
+    capsys.readouterr()
+    commits = len(hub.commits)
+    assert main([str(first), str(tmp_path / "three"), "--no-verify", "--push-to-hub", "me/tiny-attnres",
+                 "--private"]) == 1
+    line = only_error_line(capsys.readouterr().err)
+    assert "--private: the Hub repo 'me/tiny-attnres' already exists and is public" in line, line
+    assert "nothing was uploaded" in line and len(hub.commits) == commits
+    assert main([str(first), str(tmp_path / "four"), "--no-verify", "--push-to-hub", "me/private-attnres",
+                 "--private"]) == 0
+    assert hub.repos["me/private-attnres"] is True
 
 
 def http_error(cls, status: int):
