@@ -45,6 +45,7 @@ from .standard import (
     standard_fills,
     standard_rules,
     stream_scale_candidates,
+    with_tied_head,
 )
 from .verify import calibrate_stream_scale, load_source, prompt_ids, verify_attnres_layout, verify_standard
 
@@ -144,7 +145,7 @@ def _plan_attnres_layout(source: TensorSource, config: dict, options: ConvertOpt
                     "if its config lacks one) and its weights are not rescaled.")
     source = NormalizedSource(source)
     target = attnres_config_from_seed(config, source.keys(), options.seed_block_size)
-    return Plan("attnres", source, SEED_RULES, (), target, TransformContext(), folder,
+    return Plan("attnres", source, with_tied_head(target, source, SEED_RULES), (), target, TransformContext(), folder,
                 output_dtype(source, options.dtype))
 
 

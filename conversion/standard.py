@@ -248,6 +248,13 @@ def standard_rules(config: AttnResConfig, source: TensorSource) -> tuple[Rule, .
     rules = STANDARD_RULES
     if config.num_experts and not config.shared_expert_intermediate_size:
         rules = (ZERO_SHARED_EXPERT_RULE, *rules)         # the first matching rule wins
+    return with_tied_head(config, source, rules)
+
+
+def with_tied_head(config: AttnResConfig, source: TensorSource, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """`rules`, and for a tied model whose checkpoint also stores lm_head (every `state_dict()` of a tied
+    transformers model does), a first rule dropping that copy once it is checked to be the embedding: a
+    differing head means the config's tie flag is wrong."""
     if not config.tie_word_embeddings or "lm_head.weight" not in source.keys():
         return rules
     if not torch.equal(source.get("lm_head.weight"), source.get("model.embed_tokens.weight")):

@@ -58,6 +58,27 @@ def test_seed_state_dict_matches_oracle(tmp_path, sublayers, mode, tied):
     assert converted.config.tie_word_embeddings == tied
 
 
+def test_a_tied_models_state_dict_converts_with_its_stored_head_and_a_differing_head_is_refused(tmp_path):
+    """`torch.save(model.state_dict())` of a tied model stores `lm_head.weight` (the embedding again): it is
+    dropped once checked equal, as the standard path does; a head that differs means the tie flag is wrong."""
+    model = tiny_model(seed=9, tie_word_embeddings=True, attn_res_block_size=2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in state                                   # what the user saves
+    torch.save({"model": state, "config": model.config.to_dict()}, tmp_path / "ckpt.pt")
+    convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(verify=False))
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float64).eval()
+    assert converted.config.tie_word_embeddings
+    ids = token_ids(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, naive_forward(oracle_state_dict(model), model.config, ids),
+                                   rtol=1e-5, atol=1e-5)
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    torch.save({"model": state, "config": model.config.to_dict()}, tmp_path / "differs.pt")
+    with pytest.raises(ConversionError, match="stores an lm_head.weight that differs from model.embed_tokens.weight"):
+        convert(tmp_path / "differs.pt", tmp_path / "dst2", ConvertOptions(verify=False))
+    assert not (tmp_path / "dst2").exists()
+
+
 def test_attnres_folder_with_seed_names_and_verify(tmp_path):
     """A transformers-style AttnRes folder (model_type attnres) that uses the seed names."""
     model = tiny_model(seed=8, attn_res_block_size=2)
