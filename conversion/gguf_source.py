@@ -12,6 +12,7 @@ DST, removed when the conversion ends, or by the next writer in that folder if t
 
 import math
 import os
+import re
 import struct
 from collections import Counter
 from collections.abc import Iterator
@@ -47,6 +48,12 @@ INTEGER_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
 SHAPE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
               "attention.head_count_kv", "rope.dimension_count", "vocab_size", "context_length")
 
+
+# The tensors of a llama GGUF that transformers' reader puts into its Llama (built from the metadata, so without
+# biases); it drops any other tensor without a word, e.g. `rope_freqs.weight`, Llama 3.1+'s rope scaling.
+READ_TENSOR = re.compile(r"(token_embd|output_norm|output)\.weight|blk\.\d+\.(attn_norm|attn_q|attn_k|attn_v|"
+                         r"attn_output|ffn_norm|ffn_gate|ffn_up|ffn_down)\.weight")
+WHAT_DROPPED = {"rope_freqs.weight": "Llama 3.1+ rope scaling"}
 
 # The oldest transformers whose GGUF loader this conversion can use: 5.17 added `GgufConfig`, and 5.16-5.17 read
 # a GGUF tokenizer's end-of-sequence token wrong (a converted chat model would never stop).
@@ -226,8 +233,10 @@ def inspect_gguf(path: Path) -> Counter:
         raise ConversionError(f"Unsupported GGUF architecture {arch!r} in {path.name}: attnres-convert reads "
                               f"GGUF files of architecture {', '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))} "
                               "(Llama-family). Convert the original transformers checkpoint instead.")
+    check_single_file(reader, path)
     check_shape_metadata(reader, arch, path)
     check_dense(reader, arch, path)
+    check_read_in_full(reader, arch, path)
     types = Counter(t.tensor_type.name for t in reader.tensors)
     supported = dequantisable_types()
     unsupported = {name: [t.name for t in reader.tensors if t.tensor_type.name == name]
@@ -260,6 +269,40 @@ def check_shape_metadata(reader, arch: str, path: Path) -> None:
             shown = value if value is not None else f"a {field.types[-1].name.lower()} value"
             raise ConversionError(f"Cannot read {path} as a GGUF model: its metadata {arch}.{key} is {shown}, "
                                   f"expected {expected}. The file is corrupt; download or copy it again.")
+
+
+def metadata_value(reader, key: str):
+    """A scalar metadata value (a number or a string), `None` where the key is absent."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode(errors="replace") if int(field.types[0]) == STRING else value[0].item()
+
+
+def check_single_file(reader, path: Path) -> None:
+    """Refuse one part of a split GGUF (`llama-gguf-split`): its tensors are a fraction of the model."""
+    count = metadata_value(reader, "split.count") or 1
+    if count > 1:
+        raise ConversionError(f"{path.name} is one of {count} parts of a split GGUF (split.count = {count}), which "
+                              "attnres-convert does not read; merge them into one file with llama.cpp's "
+                              f"`llama-gguf-split --merge {path.name} merged.gguf` and convert that.")
+
+
+def check_read_in_full(reader, arch: str, path: Path) -> None:
+    """Refuse what transformers' GGUF reader would drop without a word, so that the conversion (and its
+    verification, against that reader's model) would describe another model: tensors its Llama has no
+    place for (`rope_freqs.weight`: Llama 3.1+ rope scaling; biases) and rope scaling metadata."""
+    dropped = [t.name for t in reader.tensors if not READ_TENSOR.fullmatch(t.name)]
+    scaling = metadata_value(reader, f"{arch}.rope.scaling.type")
+    factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+    if scaling not in (None, "none") or factor not in (None, 0, 1):
+        dropped.append(f"{arch}.rope.scaling.type = {scaling}, factor {factor} (rope scaling)")
+    if dropped:
+        named = [f"{name} ({WHAT_DROPPED[name]})" if name in WHAT_DROPPED else name for name in dropped]
+        raise ConversionError(f"{path.name} holds what transformers' GGUF reader drops: {listing(named, limit=4)}; "
+                              "the converted model would compute another model than the file's. Convert the "
+                              "original transformers checkpoint instead.")
 
 
 def check_dense(reader, arch: str, path: Path) -> None:

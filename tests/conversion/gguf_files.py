@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType, TokenType
 from gguf.quants import dequantize, quantize
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -78,16 +78,25 @@ def write_metadata(writer: GGUFWriter, cfg, file_type: LlamaFileType) -> None:
 
 
 def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32, arch: str = "llama",
-               raw: dict[str, np.ndarray] | None = None, expert_count: int = 0) -> Path:
+               raw: dict[str, np.ndarray] | None = None, expert_count: int = 0,
+               extra: dict[str, np.ndarray] | None = None, rope_scaling: tuple[str, float] | None = None,
+               split_max_tensors: int = 0) -> Path:
     """Write `model` (a LlamaForCausalLM with vocab VOCAB_SIZE) as a GGUF; matrices in `qtype`, norms in F32.
     `raw` stores the given arrays as they are instead of the named tensors (to write other tensor types);
-    `expert_count` writes llama.cpp's `{arch}.expert_count` (how it marks a Mixtral written as "llama")."""
+    `expert_count` writes llama.cpp's `{arch}.expert_count` (how it marks a Mixtral written as "llama");
+    `extra` adds tensors (llama.cpp's `rope_freqs.weight`), `rope_scaling` its rope scaling type and factor,
+    and `split_max_tensors` splits the file as `llama-gguf-split` does (`path` then names the first part)."""
     file_type = {GGMLQuantizationType.F32: LlamaFileType.ALL_F32, GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
                  GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1}[qtype]
-    writer = GGUFWriter(path, arch)
+    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     write_metadata(writer, model.config, file_type)
     if expert_count:
         writer.add_expert_count(expert_count)
+    if rope_scaling:
+        writer.add_rope_scaling_type(RopeScalingType(rope_scaling[0]))
+        writer.add_rope_scaling_factor(rope_scaling[1])
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     for name, tensor in gguf_tensors(model).items():
         data = tensor.detach().float().numpy()
         if raw and name in raw:

@@ -91,6 +91,27 @@ def test_mixture_of_experts_gguf_is_refused(tmp_path):
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("case", ["rope_freqs", "linear_scaling", "split"])
+def test_what_transformers_gguf_reader_would_drop_is_refused(tmp_path, case):
+    """A Llama 3.1+ export's `rope_freqs.weight`, rope scaling metadata, or one part of a split file: the
+    reader would build (and the verification would compare against) another model than the file's."""
+    model = tiny_llama()
+    if case == "rope_freqs":
+        path = write_gguf(model, tmp_path / "llama3.gguf", extra={"rope_freqs.weight": np.full(8, 2.0, np.float32)})
+        match = r"llama3\.gguf holds what transformers' GGUF reader drops: rope_freqs\.weight \(Llama 3\.1\+ rope"
+    elif case == "linear_scaling":
+        path = write_gguf(model, tmp_path / "linear.gguf", rope_scaling=("linear", 4.0))
+        match = r"drops: llama\.rope\.scaling\.type = linear, factor 4\.0 \(rope scaling\)"
+    else:
+        write_gguf(model, tmp_path / "tiny.gguf", split_max_tensors=10)
+        path = tmp_path / "tiny-00001-of-00004.gguf"
+        assert path.exists(), sorted(p.name for p in tmp_path.iterdir())
+        match = r"tiny-00001-of-00004\.gguf is one of 4 parts of a split GGUF .*llama-gguf-split --merge"
+    with pytest.raises(ConversionError, match=match):
+        convert(path, tmp_path / "dst")
+    assert_nothing_written(tmp_path)
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
     norm = tiny_llama().model.norm.weight.detach().numpy().astype(np.float64)
     path = write_gguf(tiny_llama(), tmp_path / "f64.gguf", raw={"output_norm.weight": norm})
