@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import modeling_attnres  # noqa: F401  (registers the architecture with the Auto classes)
 from attnres.conversion import retrofit
 from attnres.conversion.distill import heldout_loss
-from attnres.conversion.publish import user_cache_dir
+from attnres.conversion.publish import staged_folder, user_cache_dir
 
 QUESTIONS = ("What is the capital of France?", "What is 2 + 2?")
 
@@ -88,14 +87,26 @@ def train_control(source: Path, train_windows: torch.Tensor, heldout: tuple, bud
                                 "--kl-weight", str(budget.get("kl_weight", 0.0))])
     retrofit.train(model, train_windows, heldout, args)
     trained = sum(p.numel() for n, p in model.named_parameters() if n in names)
-    shutil.rmtree(out, ignore_errors=True)                            # a control of another budget
-    model.save_pretrained(out)
-    (out / "control.json").write_text(json.dumps({"trained_parameters": trained, **budget}) + "\n")
+    with staged_folder(out) as tmp:                    # replaces a control of another budget whole, or nothing
+        model.save_pretrained(tmp)
+        (tmp / "control.json").write_text(json.dumps({"trained_parameters": trained, **budget}) + "\n")
     return model, trained
+
+
+def check_control_out(out: Path) -> None:
+    """Refuse, before any work, a --control-out that is not a control this script wrote (a control.json
+    inside): it is replaced whole."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --control-out {out} is a file; pass a folder for the control model")
+    if out.is_dir() and any(out.iterdir()) and not (out / "control.json").is_file():
+        raise SystemExit(f"error: --control-out {out} holds files that are not a control model written by this "
+                         "script (no control.json), and the control replaces the folder whole; choose another "
+                         "folder, or empty this one")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_control_out(args.control_out)
     budget = {k: v for k, v in json.loads((args.retrofitted / "retrofit.json").read_text()).items()
               if k != "history"}
     tok = AutoTokenizer.from_pretrained(args.converted)
