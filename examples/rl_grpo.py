@@ -100,9 +100,10 @@ def main(argv=None) -> int:
     from attnres.serving.weights import WORKER_EXTENSION
 
     torch.manual_seed(args.seed)
-    llm = LLM(model=str(args.model), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-              max_model_len=256, seed=args.seed, worker_extension_cls=WORKER_EXTENSION)
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    llm = LLM(model=str(args.model), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+              max_model_len=min(256, policy.config.max_position_embeddings), seed=args.seed,
+              worker_extension_cls=WORKER_EXTENSION)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     prompts = [[10, 11, 12], [40, 41, 42, 43]]
     params = SamplingParams(n=args.group, temperature=1.0, max_tokens=args.max_tokens, logprobs=0,
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
         with torch.no_grad():                       # how far this step moved the policy on that completion
             before = torch.tensor([s[t].logprob for s, t in zip(first.logprobs, first.token_ids)])
             moved = float((token_logprobs(policy, prompts[0], list(first.token_ids)) - before).abs().max())
-        print(json.dumps({"step": step + 1, "loss": round(float(loss), 6), "reward": round(mean_reward, 4),
+        print(json.dumps({"step": step + 1, "loss": round(loss.item(), 6), "reward": round(mean_reward, 4),
                           "synced_tensors": synced, "max_logprob_gap": gap, "max_logprob_moved": moved}), flush=True)
     return 0
 

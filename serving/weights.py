@@ -22,7 +22,9 @@ A linear weight the CPU backend has repacked away is read back by applying the l
 matrix: each output element is one weight times 1 plus zeros, so the weight comes back exactly.
 """
 
+import contextlib
 import json
+import logging
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -205,6 +207,39 @@ def gather(module: nn.Module, leaf: str, local: torch.Tensor, shard) -> torch.Te
     return full[:vocab] if vocab is not None else full
 
 
+# vLLM's in-place reload expects a whole checkpoint. After a partial update it warns "Failed to load weights" for
+# every module the update leaves alone and lists each tensor it was not sent as "not loaded": hundreds of lines per
+# call, tens of thousands per RL step, all saying that the weights not updated were kept, as asked. The modules
+# an update touches are checked and completed before the reload (`check_update`, `complete_update`).
+PARTIAL_UPDATE_NOISE = {"vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+                        "vllm.model_executor.model_loader.reload.inplace":
+                            "Following weights were not loaded from checkpoint: %s"}
+
+
+class DropMessage(logging.Filter):
+    """Drops the records of one message format."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message
+
+
+@contextlib.contextmanager
+def partial_update_quiet():
+    """While held, vLLM's reload does not log `PARTIAL_UPDATE_NOISE`; its other messages pass."""
+    filters = [(logging.getLogger(name), DropMessage(message)) for name, message in PARTIAL_UPDATE_NOISE.items()]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger, drop in filters:
+            logger.removeFilter(drop)
+
+
 class AttnResWeightUpdates:
     """A vLLM worker extension (`worker_extension_cls=WORKER_EXTENSION`): checked, in-place, partial
     weight updates for the AttnRes model (see the module docstring). Called on every worker through
@@ -218,7 +253,8 @@ class AttnResWeightUpdates:
         weights = weights.items() if isinstance(weights, Mapping) else weights        # a state_dict()
         named = [(str(name), as_tensor(str(name), value)) for name, value in weights]
         check_update(model, named)
-        self.model_runner.reload_weights(weights_iterator=complete_update(model, named))
+        with partial_update_quiet():
+            self.model_runner.reload_weights(weights_iterator=complete_update(model, named))
         keys = sorted(model.resolve_checkpoint_key(name) for name, _ in named)
         refresh_tied_head(model, keys)
         return keys

@@ -16,10 +16,12 @@ from tests.support.processes import run_bounded
 
 @pytest.mark.timeout(300)
 def test_the_generator_follows_the_trainer_after_every_step(tmp_path):
-    model = write_tiny_checkpoint(tmp_path / "model", seed=5)
+    model = write_tiny_checkpoint(tmp_path / "model", seed=5, max_position_embeddings=128)   # under its own 256
     done = run_bounded([sys.executable, str(EXAMPLES / "rl_grpo.py"), "--model", str(model), "--steps", "3"],
                        timeout=240, env={k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    # vLLM's whole-checkpoint reload warnings, once per module kept by each one-tensor sync, would bury the results
+    assert "Failed to load weights" not in done.stdout + done.stderr, done.stdout[-2000:]
     steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [s["step"] for s in steps] == [1, 2, 3], done.stdout
     for s in steps:

@@ -37,15 +37,18 @@ def models(checkpoints, tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_an_engine_takes_partial_updates_one_tensor_per_call(models):
+def test_an_engine_takes_partial_updates_one_tensor_per_call(models, capfd):
     base, new, changes = models
     before, after = reference(load_hf(base), PROMPTS, STEPS), reference(load_hf(new), PROMPTS, STEPS)
     assert [r.tokens for r in before] != [r.tokens for r in after], "the update changes nothing: nothing tested"
     llm = make_llm(base, enforce_eager=True, worker_extension_cls=WORKER_EXTENSION)
     try:
         assert_matches("before the update", generate(llm, PROMPTS, STEPS, logprobs=5), before)
+        capfd.readouterr()
         for name, tensor in changes.items():
             update_weights(llm, [(name, tensor)])
+        said = "".join(capfd.readouterr())       # vLLM's whole-checkpoint warnings, about the modules kept as asked
+        assert "Failed to load weights" not in said and "were not loaded from checkpoint" not in said, said[-2000:]
         assert_matches("after the update", generate(llm, PROMPTS, STEPS, logprobs=5), after)
         bad = [([("model.layers.0.no_such.weight", torch.zeros(3))], "model.layers.0.no_such.weight: not a parameter"),
                ([("model.norm.weight", torch.zeros(5))], "model.norm.weight: shape (5,), the checkpoint's is (64,)"),
