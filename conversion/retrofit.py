@@ -34,7 +34,7 @@ import json
 import math
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
 
 import torch
@@ -584,7 +584,8 @@ def main(argv=None) -> int:
     """Console entry point: `attnres-retrofit MODEL CORPUS [options]`."""
     args = parse_args(argv)
     try:
-        metrics = retrofit(args)
+        with redirect_stdout(sys.stderr):               # the Trainer's log lines: stdout holds the summary alone
+            metrics = retrofit(args)
     except (ConversionError, OSError) as err:
         return fail("attnres-retrofit", err)
     except KeyboardInterrupt:                           # the stagings are already removed
