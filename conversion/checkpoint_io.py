@@ -277,7 +277,8 @@ def path_argument(name: str, kind: type = Path):
     line and exit status 2."""
     def parse(value: str):
         try:
-            return kind(require_path(value, name))
+            value = require_path(value, name)
+            return kind(os.path.expanduser(value) if kind is Path else value)    # a quoted '~/out', as the shell
         except UsageError as err:
             raise argparse.ArgumentTypeError(str(err).removeprefix(f"{name} ")) from None
     return parse

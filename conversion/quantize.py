@@ -87,11 +87,14 @@ def quantization_config() -> dict:
     return config.model_dump(mode="json")
 
 
-def quantize_tensors(source, limit: int = INT8_MAX) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """All tensors of `source`, the projections quantized (`quantize_weight`); returns `(tensors, quantized
-    weight names)`."""
+def quantize_tensors(source, limit: int = INT8_MAX, skip: frozenset[str] = frozenset()
+                     ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """All tensors of `source` but `skip`, the projections quantized (`quantize_weight`); returns `(tensors,
+    quantized weight names)`."""
     out, done = {}, []
     for key in source.keys():
+        if key in skip:
+            continue
         tensor = source.get(key)
         if QUANTIZED.search(key):
             if tensor.dim() != 2 or not tensor.is_floating_point():
@@ -169,8 +172,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
     config = read_config(src)
     check_destination(dst, src, overwrite)
     side_files(src)                             # a broken or outside link is refused before anything is written
+    # A tied checkpoint's stored lm_head is the embedding again (in a .bin, the same storage, which safetensors
+    # refuses to write twice); both loaders tie the head to the embedding, so it is left out.
+    tied = modeling_attnres.AttnResConfig.from_dict(config).tie_word_embeddings
     config["quantization_config"] = quantization_config()
-    tensors, done = quantize_tensors(open_checkpoint(src), REDUCED_MAX if reduce_range else INT8_MAX)
+    tensors, done = quantize_tensors(open_checkpoint(src), REDUCED_MAX if reduce_range else INT8_MAX,
+                                     skip=frozenset({"lm_head.weight"} if tied else ()))
     if not done:
         raise ConversionError(f"No q/k/v/o/gate/up/down projection weights in {src} (keys such as "
                               f"{listing(list(tensors), limit=5)}); is it an AttnRes checkpoint?")

@@ -173,6 +173,27 @@ def test_a_tied_checkpoint_that_stores_its_head_and_the_seed_site_names_are_acce
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_a_tied_bin_checkpoint_whose_head_shares_the_embeddings_storage_is_quantized(source, tmp_path, monkeypatch):
+    """`torch.save(model.state_dict())` of a tied model stores lm_head and the embedding as one storage, which
+    safetensors refuses to write twice: the head is left out (both loaders tie it) and the output loads. A
+    quoted `~/out` is the home folder's, as attnres-convert takes it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    folder = tmp_path / "bin"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    torch.save(state, folder / "pytorch_model.bin")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert quantize_main([str(folder), "~/out"]) == 0
+    assert not Path("~").exists()
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
+
+
 def test_without_compressed_tensors_the_command_names_the_extra_before_any_work(source, tmp_path, monkeypatch,
                                                                                 capsys):
     for name in ("compressed_tensors", "compressed_tensors.quantization"):      # not installed
