@@ -10,6 +10,7 @@ DST, removed when the conversion ends, or by the next writer in that folder if t
 (`publish.scratch_folder`).
 """
 
+import json
 import math
 import os
 import re
@@ -354,4 +355,18 @@ def dequantised_folder(path: Path, dst: Path) -> Iterator[tuple[Path, str, torch
         model.config.save_pretrained(folder)
         model.generation_config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        drop_load_settings(folder / "tokenizer_config.json")
         yield folder, describe(types), model
+
+
+# How transformers was asked to read the file here (offline, a local folder), which `save_pretrained` writes into
+# the tokenizer's config: a published model would then refuse to look anything up on the Hub.
+LOAD_SETTINGS = ("local_files_only", "is_local", "gguf_file")
+
+
+def drop_load_settings(path: Path) -> None:
+    """Remove `LOAD_SETTINGS` from a saved tokenizer config."""
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        path.write_text(json.dumps({k: v for k, v in saved.items() if k not in LOAD_SETTINGS}, indent=2,
+                                   ensure_ascii=False) + "\n", encoding="utf-8")

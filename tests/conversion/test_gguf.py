@@ -1,6 +1,8 @@
 """GGUF files as a conversion source: a tiny Llama written with the `gguf` package's writer (F32, Q8_0 and
 Q4_1, the type SmolLM2's GGUF uses) converts and matches its dequantised source; bad files are refused."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -61,6 +63,9 @@ def test_cli_converts_a_folder_with_one_q4_1_gguf_and_keeps_tokenizer_and_chat_t
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.convert_tokens_to_ids("<|im_end|>") == VOCAB_SIZE - 1
     assert "Q4_1" in (tmp_path / "dst" / "README.md").read_text()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # how the file was read here (offline, from a local folder) is not the published tokenizer's setting
+    saved = json.loads((tmp_path / "dst" / "tokenizer_config.json").read_text())
+    assert not {"local_files_only", "is_local", "gguf_file"} & set(saved), saved
 
 
 def test_a_transformers_too_old_for_gguf_is_named_before_any_work(tmp_path, monkeypatch):
