@@ -116,11 +116,16 @@ def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
+class CorpusTooShort(ValueError):
+    """A split of the corpus holds less than one training window."""
+
+
 def chunk_stream(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Non-overlapping windows `[n, seq_len]` (the tail that does not fill a window is dropped)."""
     n = stream.numel() // seq_len
     if n == 0:
-        raise ValueError(f"token stream of {stream.numel()} tokens is shorter than seq_len={seq_len}")
+        raise CorpusTooShort(f"a token stream of {stream.numel()} tokens is shorter than one window of --seq-len "
+                             f"{seq_len}; lower --seq-len, or use a larger corpus (or --validation-percent)")
     return stream[: n * seq_len].view(n, seq_len).long()
 
 

@@ -415,8 +415,14 @@ def main(argv=None) -> int:
     check_args(args)
     try:
         metrics = train(args)
-    except FileNotFoundError as err:           # a bad --corpus-root: say so without a traceback
+    except (FileNotFoundError, data.CorpusTooShort) as err:     # a bad --corpus-root or --seq-len: no traceback
         raise SystemExit(f"error: {err}") from None
+    except KeyboardInterrupt:              # checkpoints and the model folder are written whole or not at all
+        saved = (args.work_dir / "checkpoint.pt").exists()
+        print("error: interrupted; " + (f"run the same command to continue from the last checkpoint in "
+                                        f"{args.work_dir}" if saved else "no checkpoint was saved yet") + ".",
+              file=sys.stderr)
+        return 130
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -143,6 +143,25 @@ def test_a_bad_learning_rate_is_refused_naming_it():
             train.check_args(train.parse_args(["--lr", value]))
 
 
+def test_a_window_longer_than_the_corpus_and_ctrl_c_end_in_one_line(tiny_corpus, tmp_path, monkeypatch, capsys):
+    argv = ["--corpus-root", str(tiny_corpus), "--work-dir", str(tmp_path / "work"), *TRAIN_ARGS]
+    with pytest.raises(SystemExit, match=r"error: a token stream of \d+ tokens is shorter than one window of "
+                                         r"--seq-len 1000000; lower --seq-len"):
+        train.main([*argv, "--seq-len", "1000000"])
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "train", interrupted)
+    capsys.readouterr()
+    assert train.main(argv) == 130
+    assert capsys.readouterr().err.strip() == "error: interrupted; no checkpoint was saved yet."
+    (tmp_path / "work").mkdir(exist_ok=True)
+    (tmp_path / "work" / "checkpoint.pt").write_bytes(b"")
+    assert train.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (f"error: interrupted; run the same command to continue from the last "
+                                               f"checkpoint in {tmp_path / 'work'}.")
+
+
 def test_model_card_does_not_import_the_training_script():
     import ast
 
