@@ -1,5 +1,6 @@
 """The model card (README.md) of a converted checkpoint: what was converted, how, and what it costs."""
 
+import re
 from pathlib import Path
 
 from .checkpoint_io import REPO_ID
@@ -21,10 +22,23 @@ LAYOUT_HOW = """The source already is an AttnRes model; its tensors were renamed
 sublayers -> layers) by a declarative key map. No value was changed except for the output dtype."""
 
 
+SCALE_LINE = re.compile(r"^- residual-stream scale s: ([0-9.eE+-]+)", re.M)
+BASE_MODEL_LINE = re.compile(r"^base_model: (\S+)$", re.M)
+
+
+def carried_from_card(text: str) -> tuple[float | None, str | None]:
+    """From an AttnRes source's own model card (one attnres-convert wrote): the residual-stream scale its
+    weights carry and its base model, which a conversion of its layout keeps (it changes no value)."""
+    scale, base = SCALE_LINE.search(text), BASE_MODEL_LINE.search(text.split("\n---", 1)[0])
+    return (float(scale.group(1)) if scale else None), (base.group(1) if base else None)
+
+
 def _front_matter(result: ConversionResult) -> str:
     lines = ["---", "library_name: transformers", "tags:", "- attnres", "- attention-residuals"]
     if REPO_ID.match(result.src) and "/" in result.src and not Path(result.src).expanduser().exists():
         lines.append(f"base_model: {result.src}")
+    elif result.base_model:
+        lines.append(f"base_model: {result.base_model}")
     return "\n".join(lines + ["---", ""])
 
 
@@ -44,6 +58,9 @@ def _config_lines(result: ConversionResult) -> list[str]:
         lines.append(f"- residual-stream scale s: {result.stream_scale:g}" + (
             f" (calibrated; predicted relative logit error {result.calibration_summary()})"
             if result.scale_errors else ""))
+    elif result.source_stream_scale is not None:
+        lines.append(f"- residual-stream scale s: {result.source_stream_scale:g} (applied when the source was "
+                     "converted from its Llama-family model, and kept: from the source's model card)")
     return lines
 
 

@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def scale_said(result: ConversionResult) -> str:
+    """The stream scale as the summary gives it: an AttnRes source's is not changed (its card's, where known)."""
+    if result.layout != "attnres":
+        return f"{result.stream_scale:g}"
+    known = result.source_stream_scale
+    return "unchanged" + (f" ({known:g}, from the source's model card)" if known is not None else "")
+
+
 def summary(result: ConversionResult) -> list[str]:
     """What the CLI prints after a conversion."""
     cfg = result.config
@@ -59,7 +67,7 @@ def summary(result: ConversionResult) -> list[str]:
     lines = [f"Converted {result.src} ({result.layout}{origin}) -> {result.dst}",
              f"  {cfg.num_hidden_layers} layers, attn_res_mode={cfg.attn_res_mode}, "
              f"attn_res_block_size={cfg.attn_res_block_size}, dtype={str(result.dtype).removeprefix('torch.')}, "
-             f"stream scale={result.stream_scale:g}, rms_norm_eps={cfg.rms_norm_eps:g}"]
+             f"stream scale={scale_said(result)}, rms_norm_eps={cfg.rms_norm_eps:g}"]
     if result.scale_errors:
         lines.append(f"  stream scale calibration (predicted relative logit error): {result.calibration_summary()}")
     if result.verification is not None:

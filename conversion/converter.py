@@ -19,7 +19,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from modeling_attnres import AttnResConfig, AttnResForCausalLM
 from modeling_attnres.configuration_attnres import is_depth_parameter
 
-from .card import write_model_card
+from .card import carried_from_card, write_model_card
 from .checkpoint_io import (
     STATE_DICT_SUFFIXES,
     LoadedSource,
@@ -290,6 +290,9 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
     (or `options.keep_failed`)."""
     result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
                               plan.scale_errors, origin=origin)
+    if plan.layout == "attnres" and plan.folder is not None and (plan.folder / "README.md").is_file():
+        card = (plan.folder / "README.md").read_text(encoding="utf-8", errors="replace")
+        result.source_stream_scale, result.base_model = carried_from_card(card)
     if plan.folder is not None:
         side_files(plan.folder)                 # a broken or outside link is refused before anything is written
     with staged_destination(dst, options.overwrite) as tmp:      # DST was checked: absent, empty or --overwrite

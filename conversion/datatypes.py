@@ -140,6 +140,10 @@ class ConversionResult:
     copied_files: list[str] = field(default_factory=list)
     verification: VerifyReport | None = None
     origin: str | None = None        # how the source was read, when not as given (a dequantised GGUF)
+    # An AttnRes source's own card (an earlier attnres-convert's): the stream scale its weights still carry
+    # and its base model, carried into this card (`card.carried_from_card`).
+    source_stream_scale: float | None = None
+    base_model: str | None = None
 
     def calibration_summary(self) -> str:
         """`s=1: 1.4e-06, s=2: ...`: the predicted relative logit error of each candidate scale."""

@@ -79,6 +79,26 @@ def test_a_tied_models_state_dict_converts_with_its_stored_head_and_a_differing_
     assert not (tmp_path / "dst2").exists()
 
 
+def test_reconverting_a_converted_folder_keeps_its_cards_stream_scale_and_base_model(tmp_path, capsys):
+    """A converted folder's weights carry the stream scale s of its conversion, which its card records (the
+    fine-tuning notes depend on it): converting it again (to bfloat16, say) changes no value, and its card
+    and summary still say s, with the base model, instead of s = 1."""
+    from attnres.conversion.cli import main
+    from tests.conversion.builders import save_source, source_model
+
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "llama")
+    assert main([str(src), str(tmp_path / "first"), "--stream-scale", "4", "--no-verify"]) == 0
+    card = (tmp_path / "first" / "README.md").read_text()
+    assert "- residual-stream scale s: 4" in card
+    (tmp_path / "first" / "README.md").write_text(card.replace("tags:", "base_model: org/tiny-llama\ntags:", 1))
+    capsys.readouterr()
+    assert main([str(tmp_path / "first"), str(tmp_path / "again"), "--dtype", "bfloat16", "--no-verify"]) == 0
+    assert "stream scale=unchanged (4, from the source's model card)" in capsys.readouterr().out
+    again = (tmp_path / "again" / "README.md").read_text()
+    assert "- residual-stream scale s: 4 (applied when the source was converted" in again, again
+    assert "\nbase_model: org/tiny-llama\n" in again.split("\n---", 1)[0] + "\n", again
+
+
 def test_attnres_folder_with_seed_names_and_verify(tmp_path):
     """A transformers-style AttnRes folder (model_type attnres) that uses the seed names."""
     model = tiny_model(seed=8, attn_res_block_size=2)
