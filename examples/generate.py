@@ -53,6 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.8, top-p 0.95) instead of greedy")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not args.prompt:
+        p.error("--prompt is empty; pass some text for the model to continue")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     model, tokenizer = load(args.model)
     print(args.prompt + complete(model, tokenizer, args.prompt, args.max_new_tokens, args.sample, args.seed))
     return 0
