@@ -62,7 +62,8 @@ def online_table(runs: list[dict], window: int, at: int | None = None) -> str:
     common = min(len(r["history"]) for r in runs)
     at = min(at or common, common)
     if at < window:
-        raise SystemExit(f"error: the runs share only {at} steps, fewer than --window {window}")
+        raise SystemExit(f"error: the runs share only {at} steps, fewer than --window {window}; pass --window {at} "
+                         "or less")
     lines = [f"| model | tokens seen at step {at} | online loss, steps {at - window + 1}-{at} | perplexity |",
              "|---|---:|---:|---:|"]
     for r in runs:

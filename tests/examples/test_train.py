@@ -56,6 +56,8 @@ def test_compare_prints_both_tables(tiny_corpus, tmp_path, capsys):
     assert "online loss, steps 3-6" in out and "| Llama baseline | 768 |" in out
     with pytest.raises(SystemExit, match="does not exist"):
         compare.main([str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="share only 6 steps, fewer than --window 50; pass --window 6 or less"):
+        compare.main([str(tmp_path / "done"), str(tmp_path / "llama")])
 
 
 def test_resume_refuses_a_checkpoint_from_other_arguments(tiny_corpus, tmp_path):
