@@ -48,7 +48,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--candidate", type=Path, action="append", default=[],
                         help="also evaluate the conversion with these depth parameters (an attnres-retrofit "
                              "--export-depth file); repeatable")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit} (leave it out for every item)")
+    for path in args.candidate:
+        if not path.is_file() or path.suffix != ".safetensors":
+            parser.error(f"--candidate {path} is not a .safetensors file; pass an attnres-retrofit --export-depth file")
+    return args
 
 
 def offline() -> None:
@@ -61,6 +67,7 @@ def offline() -> None:
 def model_folders(candidates: list[Path] = ()) -> dict[str, Path]:
     """The three checkpoints, and one per candidate depth file, built into the cache directory on first
     use (minutes)."""
+    from attnres.conversion.errors import ConversionError
     from attnres.serving.default_model import SHIPPED, ensure_default_model
 
     sys.path.insert(0, str(REPO))                       # bench/ is a folder of scripts, not an installed package
@@ -71,7 +78,10 @@ def model_folders(candidates: list[Path] = ()) -> dict[str, Path]:
                "retrofit": ensure_default_model(cache_dir(), depth_parameters=SHIPPED, log=log)}
     for path in candidates:
         LABELS[f"candidate:{path}"] = f"AttnRes, depth parameters {path.name}"
-        folders[f"candidate:{path}"] = ensure_default_model(cache_dir(), depth_parameters=path, log=log)
+        try:
+            folders[f"candidate:{path}"] = ensure_default_model(cache_dir(), depth_parameters=path, log=log)
+        except ConversionError as err:             # a depth file of another model or schedule: said in one line
+            raise SystemExit(f"eval: --candidate {path}: {err}") from None
     return folders
 
 

@@ -216,3 +216,14 @@ def test_table_puts_the_models_side_by_side():
     assert lines[2] == "| capitals, multiple choice: accuracy (2) | 0.500 ± 0.500 | 0.500 ± 0.500 |"
     assert lines[3].endswith("| 0 / 0 | 1 / 1 |") and lines[6].endswith("| 0 / 0 | 0 / 0 |")
     assert lines[4].endswith("| +0.000 | -0.250 |") and lines[8].endswith("| +0.000 | +0.500 |")
+
+
+@pytest.mark.parametrize("argv, message", [(["--limit", "0"], "--limit must be >= 1, got 0"),
+                                           (["--candidate", "/nonexistent/depth.safetensors"],
+                                            "--candidate /nonexistent/depth.safetensors is not a .safetensors file")])
+def test_bad_options_are_refused_before_any_work(capsys, argv, message):
+    from eval import run
+
+    with pytest.raises(SystemExit) as exited:
+        run.parse_args(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
