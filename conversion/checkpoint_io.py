@@ -209,10 +209,28 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id=src, revision=revision))
+        return Path(snapshot_download(repo_id=src, revision=revision, ignore_patterns=unread_files(src, revision)))
     except Exception as err:  # network, auth, offline-cache misses: all end the same way for the user
         raise ConversionError(f"SRC {src!r} is not a local path and could not be fetched from the Hub: "
                               f"{hub_reason(err, revision)}; or download it and pass its folder.") from err
+
+
+# Files of a Hub repo the conversion never reads: other formats of the same weights (ONNX, Flax, TF, Core ML,
+# the original consolidated checkpoint of Llama repos). Many repos hold the weights two or three times over.
+NEVER_READ = ["original/*", "onnx/*", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.ot", "*.tflite",
+              "coreml/*", "*.mlmodel", "*.mlpackage/*"]
+
+
+def unread_files(repo_id: str, revision: str | None) -> list[str]:
+    """`ignore_patterns` for downloading a source repo: `NEVER_READ`, and the PyTorch pickles where the repo
+    also has safetensors (which the conversion reads first). Offline, the cache is read as it is."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.is_offline_mode():
+        return NEVER_READ
+    files = HfApi().list_repo_files(repo_id, revision=revision)      # errors: as snapshot_download's would be
+    has_safetensors = any(name.endswith(".safetensors") and "/" not in name for name in files)
+    return NEVER_READ + (["*.bin", "*.pth", "*.pt"] if has_safetensors else [])
 
 
 def is_builtin(model: str | Path) -> bool:

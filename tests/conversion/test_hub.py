@@ -240,3 +240,27 @@ def test_offline_mode_names_the_revision_and_refuses_a_push(monkeypatch):
 def test_a_push_is_told_it_needs_write_access():
     assert hub_reason(http_error(hub_errors.HfHubHTTPError, 403), writing=True).startswith(
         "the token has no write access to that repo (HTTP 403: use a token of an account that may write to it)")
+
+
+@pytest.mark.parametrize("files, pickles_skipped", [(["config.json", "model.safetensors", "pytorch_model.bin"], True),
+                                                    (["config.json", "pytorch_model.bin"], False)])
+def test_a_hub_source_downloads_only_what_the_conversion_reads(monkeypatch, tmp_path, files, pickles_skipped):
+    """Not the repo's other formats of the same weights (ONNX, Flax, Llama's original/ checkpoint), nor its
+    PyTorch pickles where it has safetensors; offline, the cache is read as it is."""
+    import huggingface_hub
+
+    from attnres.conversion import checkpoint_io
+
+    asked = []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: files)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: asked.append(kw) or str(tmp_path))
+    assert checkpoint_io.resolve_source("org/model", revision="main") == tmp_path
+    (kwargs,) = asked
+    assert kwargs["repo_id"] == "org/model" and kwargs["revision"] == "main"
+    assert {"original/*", "*.onnx", "*.msgpack", "*.h5"} <= set(kwargs["ignore_patterns"])
+    assert ("*.bin" in kwargs["ignore_patterns"]) == pickles_skipped
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: pytest.fail("listed offline"))
+    checkpoint_io.resolve_source("org/model")
+    assert "*.bin" not in asked[-1]["ignore_patterns"]
