@@ -188,7 +188,23 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
         copy_side_files(src, tmp)
         for name in REMOTE_CODE_FILES:          # what save_pretrained ships beside `auto_map` (remote code)
             shutil.copyfile(Path(modeling_attnres.__file__).parent / name, tmp / name)
+        (tmp / "README.md").write_text(quantized_card(src, len(done), reduce_range))
     return done
+
+
+def quantized_card(src: Path, count: int, reduce_range: bool) -> str:
+    """The model card (README.md) of a quantized checkpoint: what it is and how to serve it."""
+    limit = REDUCED_MAX if reduce_range else INT8_MAX
+    return "\n".join([
+        "---", "library_name: transformers", "tags:", "- attnres", "- attention-residuals", "- compressed-tensors",
+        "- int8", "---", "", f"# W8A8 int8 quantization of {src.name}", "",
+        f"An Attention Residuals (Kimi Team, arXiv:2603.15031) model, `{src}`, quantized with `attnres-quantize`: "
+        f"{count} q/k/v/o/gate/up/down projection weights as symmetric per-output-channel int8 in "
+        f"[-{limit}, {limit}]" + (" (`--reduce-range`, for CPUs without VNNI)" if reduce_range else "") +
+        ", with dynamic per-token int8 activations (the compressed-tensors `int-quantized` format). The "
+        "embeddings, lm_head, RMSNorm gains and depth-attention pseudo-queries keep their dtype; round-to-nearest, "
+        "no calibration data.", "", "## Use", "", "```bash", "attnres-serve PATH_OR_REPO                "
+        "# vLLM's CompressedTensorsW8A8Int8 scheme", "```", ""])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

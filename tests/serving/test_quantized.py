@@ -114,6 +114,25 @@ def test_the_folder_ships_the_modeling_files_its_auto_map_names(quantized):
         assert (quantized / name).read_bytes() == (package / name).read_bytes(), name
 
 
+def test_the_folder_has_a_model_card_and_pushes_to_the_hub(quantized, tmp_path, monkeypatch):
+    """A model card saying what was quantized, which `push_folder` requires of a folder it pushes."""
+    from huggingface_hub import constants
+
+    from attnres.conversion import push_folder
+    from tests.conversion.fake_hub import FakeHub
+
+    card = (quantized / "README.md").read_text()
+    layers = json.loads((quantized / "config.json").read_text())["num_hidden_layers"]
+    assert f"{7 * layers} q/k/v/o/gate/up/down projection weights as symmetric per-output-channel int8" in card
+    assert "- compressed-tensors" in card.split("---")[1]
+    with FakeHub(tmp_path / "cache") as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+        push_folder(quantized, "me/tiny-w8a8")
+    assert hub.commits[-1]["files"] == sorted(p.name for p in quantized.iterdir())
+
+
 def test_refuses_a_quantized_source_and_a_non_attnres_folder(quantized, tmp_path):
     with pytest.raises(ConversionError, match="already quantized"):
         quantize_checkpoint(quantized, tmp_path / "twice")
