@@ -39,6 +39,7 @@ import modeling_attnres
 from modeling_attnres.configuration_attnres import AUTO_MAP
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES, SEED_KEY_ALIASES
 
+from .card import carried_from_card
 from .checkpoint_io import (
     builtin_folder,
     check_attnres_config,
@@ -195,6 +196,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
 def quantized_card(src: Path, count: int, reduce_range: bool) -> str:
     """The model card (README.md) of a quantized checkpoint: what it is and how to serve it."""
     limit = REDUCED_MAX if reduce_range else INT8_MAX
+    source_card = src / "README.md"
+    scale = carried_from_card(source_card.read_text(errors="replace"))[0] if source_card.is_file() else None
+    carried = ([f"- residual-stream scale s: {scale:g} (applied when the source was converted from its "
+                "Llama-family model, and kept: from the source's model card)", ""] if scale is not None else [])
     return "\n".join([
         "---", "library_name: transformers", "tags:", "- attnres", "- attention-residuals", "- compressed-tensors",
         "- int8", "---", "", f"# W8A8 int8 quantization of {src.name}", "",
@@ -203,7 +208,7 @@ def quantized_card(src: Path, count: int, reduce_range: bool) -> str:
         f"[-{limit}, {limit}]" + (" (`--reduce-range`, for CPUs without VNNI)" if reduce_range else "") +
         ", with dynamic per-token int8 activations (the compressed-tensors `int-quantized` format). The "
         "embeddings, lm_head, RMSNorm gains and depth-attention pseudo-queries keep their dtype; round-to-nearest, "
-        "no calibration data.", "", "## Use", "", "```bash", "attnres-serve PATH_OR_REPO                "
+        "no calibration data.", "", *carried, "## Use", "", "```bash", "attnres-serve PATH_OR_REPO                "
         "# vLLM's CompressedTensorsW8A8Int8 scheme", "```", ""])
 
 

@@ -97,6 +97,11 @@ def test_reconverting_a_converted_folder_keeps_its_cards_stream_scale_and_base_m
     again = (tmp_path / "again" / "README.md").read_text()
     assert "- residual-stream scale s: 4 (applied when the source was converted" in again, again
     assert "\nbase_model: org/tiny-llama\n" in again.split("\n---", 1)[0] + "\n", again
+    from attnres.conversion.quantize import quantize_checkpoint
+
+    quantize_checkpoint(tmp_path / "first", tmp_path / "w8a8")                   # its card carries s too
+    assert "- residual-stream scale s: 4 (applied when the source was converted" in (
+        tmp_path / "w8a8" / "README.md").read_text()
 
 
 def test_attnres_folder_with_seed_names_and_verify(tmp_path):
