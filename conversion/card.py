@@ -47,7 +47,8 @@ def _config_lines(result: ConversionResult) -> list[str]:
     blocks = ("Full AttnRes (every sublayer is its own source)" if cfg.attn_res_mode == "full" else
               f"Block AttnRes, {cfg.attn_res_block_size} layer(s) per block "
               f"({cfg.num_depth_sources - 1} blocks over {cfg.num_hidden_layers} layers)")
-    source = f"- source: `{result.src}` ({result.layout}" + (f"; {result.origin})" if result.origin else ")")
+    source = (f"- source: `{result.src}`" + (f" at revision `{result.revision}`" if result.revision else "") +
+              f" ({result.layout}" + (f"; {result.origin})" if result.origin else ")"))
     experts = (f"- mixture of experts: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, on layers "
                f"{cfg.sparse_layers}" + (f", shared expert of {cfg.shared_expert_intermediate_size}"
                                          if cfg.shared_expert_intermediate_size else "") if cfg.num_experts else None)

@@ -289,7 +289,7 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
     """Write the planned model to a staging folder, verify it there and publish it at DST if it passed
     (or `options.keep_failed`)."""
     result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
-                              plan.scale_errors, origin=origin)
+                              plan.scale_errors, origin=origin, revision=options.revision)
     if plan.layout == "attnres" and plan.folder is not None and (plan.folder / "README.md").is_file():
         card = (plan.folder / "README.md").read_text(encoding="utf-8", errors="replace")
         result.source_stream_scale, result.base_model = carried_from_card(card)

@@ -144,6 +144,7 @@ class ConversionResult:
     # and its base model, carried into this card (`card.carried_from_card`).
     source_stream_scale: float | None = None
     base_model: str | None = None
+    revision: str | None = None      # of a Hub source, as asked for (`--revision`)
 
     def calibration_summary(self) -> str:
         """`s=1: 1.4e-06, s=2: ...`: the predicted relative logit error of each candidate scale."""

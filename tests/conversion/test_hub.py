@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 tokens = AutoTokenizer.from_pretrained(sys.argv[3], trust_remote_code=True)("def f(x):")["input_ids"]
 from attnres.conversion.cli import main
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
-status = main([sys.argv[1], sys.argv[2]])                       # SRC pulled by repo id from the cache
+status = main([sys.argv[1], sys.argv[2], "--revision", "main"])     # SRC pulled by repo id from the cache
 torch.save({"status": status, "logits": logits, "module": type(model).__module__, "tokens": tokens}, sys.argv[5])
 """
 
@@ -102,6 +102,7 @@ def test_source_pulled_by_repo_id_offline(hub_run):
     with torch.no_grad():
         assert rel_diff(converted(token_ids()).logits, hub_run["pulled_src"](token_ids()).logits) < 1e-5
     assert "base_model: tiny-org/qwen3" in (pulled / "README.md").read_text()
+    assert "- source: `tiny-org/qwen3` at revision `main` (" in (pulled / "README.md").read_text()
     assert (pulled / "tokenizer.json").exists()
 
 
