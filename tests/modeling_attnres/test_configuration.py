@@ -135,6 +135,14 @@ def test_rope_theta_must_be_positive_and_finite():
         tiny_config(rope_parameters={"rope_type": "default", "rope_theta": -1.0})
 
 
+def test_an_activation_transformers_does_not_know_is_refused_at_construction():
+    """Not at the first forward, deep in the MLP (`ACT2FN[...]` raises a bare KeyError there)."""
+    with pytest.raises(StrictDataclassClassValidationError, match=r"hidden_act 'swish2' is not an activation "
+                                                                    r"transformers knows; .*Llama's is 'silu'"):
+        tiny_config(hidden_act="swish2")
+    assert tiny_config(hidden_act="gelu").hidden_act == "gelu"
+
+
 def test_depth_sites_are_computed_once_per_shape():
     """Every layer reads the schedule at construction: it must not be rebuilt at each access."""
     config = tiny_config(num_hidden_layers=64)
