@@ -202,12 +202,15 @@ def test_bank_dtype_choice():
         bank_dtype("bfloat16", torch.bfloat16)
 
 
-def test_site_bank_has_room_for_every_source_of_the_schedule(monkeypatch):
+@pytest.mark.parametrize("schedule", [dict(attn_res_block_size=2), dict(attn_res_mode="full")])
+def test_site_bank_has_room_for_every_source_of_the_schedule(monkeypatch, schedule):
+    """Room for exactly the sources the schedule stores (in Full AttnRes the last MLP output too: one short,
+    and the last store would copy the whole bank to grow it)."""
     import modeling_attnres.depth_attention_ops as ops
     from modeling_attnres import AttnResConfig
 
     config = AttnResConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=5, num_attention_heads=2,
-                           attn_res_block_size=2, attn_res_bank_dtype="auto")
+                           attn_res_bank_dtype="auto", **schedule)
     embeds = torch.zeros(2, 3, 16, dtype=torch.bfloat16)
     stored = sum(site.closes_block for site in config.depth_sites)             # independent of num_stored
     with torch.no_grad():

@@ -119,6 +119,26 @@ def test_router_logits_and_the_aux_loss_as_qwen3_moe_returns_them():
     assert tiny_model(seed=4)(ids, output_router_logits=True).aux_loss is None        # dense: nothing to balance
 
 
+def test_the_aux_loss_leaves_the_pads_out_and_a_fresh_router_is_random():
+    """As Qwen3-MoE: a left-padded batch's load-balancing loss counts only its real tokens (the attention
+    mask is passed on); a fresh model's routers start from `initializer_range` noise, not zeros (every token
+    would tie and go to the same experts)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = moe_model(seed=6)
+    ids, mask = torch.randint(3, 97, (2, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_router_logits=True)
+    config = model.config
+    torch.testing.assert_close(out.aux_loss, load_balancing_loss_func(out.router_logits, config.num_experts,
+                                                                      config.num_experts_per_tok, mask))
+    unmasked = load_balancing_loss_func(out.router_logits, config.num_experts, config.num_experts_per_tok, None)
+    assert not torch.allclose(out.aux_loss, unmasked)
+    fresh = AttnResForCausalLM(tiny_config(**MOE, initializer_range=0.02))
+    routers = [p for n, p in fresh.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert routers and all(0.015 < float(p.std()) < 0.025 for p in routers), [float(p.std()) for p in routers]
+
+
 # Reentrant checkpointing runs the first forward without autograd, so router logits captured there carry no
 # gradient: the auxiliary loss trains nothing under it, as in transformers' own Qwen3-MoE. Its rows drop it.
 @pytest.mark.parametrize("use_reentrant, router_logits", [(False, True), (True, False)])
