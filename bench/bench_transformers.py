@@ -144,7 +144,7 @@ def _time_mode(args, models: dict, dtype_name: str, mode: str) -> list[dict]:
     return timed
 
 
-def build_models(args, dtype: torch.dtype, order: list[str]) -> dict:
+def build_models(args, dtype: torch.dtype, order: tuple[str, ...] | list[str] = MODELS) -> dict:
     """AttnRes, Llama and a second Llama (the same weights, its own tensors), eval mode, built in `order`."""
     models = {kind: build(kind.removesuffix("-2"), args, dtype, device=args.device) for kind in order}
     if args.bank_dtype:

@@ -234,7 +234,7 @@ def test_bench_transformers_pairs_attnres_llama_and_an_aa_llama_on_a_converted_c
         pooled = spread(column(row, "AttnRes / Llama")), spread(column(row, "A/A: Llama (A/A) / Llama"))
         assert row["pairs"] == "2" and all(float(row[f"{m} ms"]) > 0 for m in ("AttnRes", "Llama", "Llama (A/A)"))
         # one pair per build order, pooled: each order's ratio (and A/A) is one end of the pooled spread
-        by_order = re.fullmatch(r"forward: (\d\.\d+) / (\d\.\d+); reverse: (\d\.\d+) / (\d\.\d+)",
+        by_order = re.fullmatch(r"forward: (\d+\.\d+) / (\d+\.\d+); reverse: (\d+\.\d+) / (\d+\.\d+)",
                                 row["by build order: ratio / A/A"])
         assert by_order, row
         ratio, aa = (sorted(map(float, by_order.groups()[i::2])) for i in (0, 1))

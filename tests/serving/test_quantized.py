@@ -205,8 +205,10 @@ def test_a_tied_bin_checkpoint_whose_head_shares_the_embeddings_storage_is_quant
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     torch.save(state, folder / "pytorch_model.bin")
     monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")                                  # where a literal ~ folder would go
     assert quantize_main([str(folder), "~/out"]) == 0
-    assert not Path("~").exists()
+    assert not (tmp_path / "cwd" / "~").exists()
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
