@@ -26,9 +26,12 @@ SCALE_LINE = re.compile(r"^- residual-stream scale s: ([0-9.eE+-]+)", re.M)
 BASE_MODEL_LINE = re.compile(r"^base_model: (\S+)$", re.M)
 
 
-def carried_from_card(text: str) -> tuple[float | None, str | None]:
-    """From an AttnRes source's own model card (one attnres-convert wrote): the residual-stream scale its
-    weights carry and its base model, which a conversion of its layout keeps (it changes no value)."""
+def carried_from_card(folder: Path) -> tuple[float | None, str | None]:
+    """From an AttnRes folder's own model card (`README.md`, one attnres-convert wrote), if it has one: the
+    residual-stream scale its weights carry and its base model, which a conversion of its layout or a
+    quantization keeps (neither rescales)."""
+    card = folder / "README.md"
+    text = card.read_text(encoding="utf-8", errors="replace") if card.is_file() else ""
     scale, base = SCALE_LINE.search(text), BASE_MODEL_LINE.search(text.split("\n---", 1)[0])
     return (float(scale.group(1)) if scale else None), (base.group(1) if base else None)
 

@@ -290,9 +290,8 @@ def _convert_planned(src: str, plan: Plan, dst: Path, options: ConvertOptions,
     (or `options.keep_failed`)."""
     result = ConversionResult(src, dst, plan.layout, plan.config, plan.ctx.stream_scale, plan.dtype,
                               plan.scale_errors, origin=origin, revision=options.revision)
-    if plan.layout == "attnres" and plan.folder is not None and (plan.folder / "README.md").is_file():
-        card = (plan.folder / "README.md").read_text(encoding="utf-8", errors="replace")
-        result.source_stream_scale, result.base_model = carried_from_card(card)
+    if plan.layout == "attnres" and plan.folder is not None:
+        result.source_stream_scale, result.base_model = carried_from_card(plan.folder)
     if plan.folder is not None:
         side_files(plan.folder)                 # a broken or outside link is refused before anything is written
     with staged_destination(dst, options.overwrite) as tmp:      # DST was checked: absent, empty or --overwrite

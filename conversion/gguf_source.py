@@ -309,8 +309,7 @@ def check_read_in_full(reader, arch: str, path: Path) -> None:
 def check_dense(reader, arch: str, path: Path) -> None:
     """Refuse a mixture of experts (llama.cpp writes Mixtral as "llama" with an expert count): its experts
     are not read from GGUF here, and transformers would build a dense Llama without them."""
-    field = reader.fields.get(f"{arch}.expert_count")
-    count = int(field.parts[field.data[0]][0]) if field is not None and field.data else 0
+    count = metadata_value(reader, f"{arch}.expert_count")
     if count:
         raise ConversionError(f"{path.name} is a mixture of experts ({arch}.expert_count = {count}): attnres-convert "
                               "reads dense GGUF models only. Convert the original transformers checkpoint "

@@ -196,8 +196,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
 def quantized_card(src: Path, count: int, reduce_range: bool) -> str:
     """The model card (README.md) of a quantized checkpoint: what it is and how to serve it."""
     limit = REDUCED_MAX if reduce_range else INT8_MAX
-    source_card = src / "README.md"
-    scale = carried_from_card(source_card.read_text(errors="replace"))[0] if source_card.is_file() else None
+    scale = carried_from_card(src)[0]
     carried = ([f"- residual-stream scale s: {scale:g} (applied when the source was converted from its "
                 "Llama-family model, and kept: from the source's model card)", ""] if scale is not None else [])
     return "\n".join([
