@@ -46,7 +46,7 @@ def export_model(model, tok, args, metrics: dict, heldout: str, defaults: dict) 
 
     `defaults` are the training script's default arguments, for the card's reproduce command."""
     out = Path(args.out)
-    with staged_folder(out, overwrite=getattr(args, "overwrite", False)) as tmp:   # checked before training
+    with staged_folder(out, overwrite=args.overwrite) as tmp:      # --out was checked before training
         dtype = getattr(torch, args.save_dtype)
         model.to(dtype).save_pretrained(tmp)
         model.to(torch.float32)
