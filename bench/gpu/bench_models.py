@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from bench_transformers import generate_fn  # noqa: E402
+from bench_transformers import BUILD_ORDERS as ORDERS  # noqa: E402
+from bench_transformers import LABELS, generate_fn  # noqa: E402
 from common import (  # noqa: E402
     add_size_arguments,
     balanced,
@@ -52,8 +53,6 @@ from modeling_attnres.depth_attention_triton import enable_triton_kernel  # noqa
 
 LLAMA_3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=14336, vocab_size=128256, block_size=4)
-LABELS = {"attnres": "AttnRes", "llama": "Llama", "llama-2": "Llama (A/A)"}
-ORDERS = {"forward": ["attnres", "llama", "llama-2"], "reverse": ["llama-2", "llama", "attnres"]}
 COLUMNS = ["workload", "AttnRes", "AttnRes ms", "Llama ms", "Llama (A/A) ms", "AttnRes / Llama (median, min-max)",
            "A/A: Llama (A/A) / Llama (median, min-max)", "pairs"]
 
