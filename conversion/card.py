@@ -91,8 +91,10 @@ def model_card(result: ConversionResult) -> str:
         _front_matter(result), f"# AttnRes conversion of {result.src}", "",
         "An Attention Residuals (Kimi Team, arXiv:2603.15031) model converted with `attnres-convert`.", "",
         *_config_lines(result), "", "## How", "", how, "", *verify,
-        "## Use", "", "```python", "from transformers import AutoModelForCausalLM",
-        "model = AutoModelForCausalLM.from_pretrained(PATH_OR_REPO, trust_remote_code=True)", "```",
+        "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "model = AutoModelForCausalLM.from_pretrained(PATH_OR_REPO, trust_remote_code=True)",
+        "tok = AutoTokenizer.from_pretrained(PATH_OR_REPO, trust_remote_code=True)  # it reads the config too",
+        "```",
         "`trust_remote_code=True` loads the modeling files shipped here; with the `attnres` package installed "
         "(`import modeling_attnres`) the installed code is used instead.", ""])
 

@@ -30,19 +30,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 OFFLINE_SCRIPT = """
 import sys, torch
-from transformers import AutoModelForCausalLM
+from pathlib import Path
 # First, before anything imports the installed modeling_attnres (which would take precedence):
-# the pushed repo, by repo id, with the modeling files it ships.
-model = AutoModelForCausalLM.from_pretrained(sys.argv[3], trust_remote_code=True, dtype=torch.float32).eval()
+# the pushed repo, by repo id, with the modeling files it ships, loaded by its model card's own snippet.
+card_snippet = {"PATH_OR_REPO": sys.argv[3]}
+exec(Path(sys.argv[6]).read_text(), card_snippet)
+model, tok = card_snippet["model"].eval(), card_snippet["tok"]
+assert model.dtype == torch.float32, model.dtype
 with torch.no_grad():
     logits = model(torch.load(sys.argv[4])).logits
-from transformers import AutoTokenizer
-tokens = AutoTokenizer.from_pretrained(sys.argv[3], trust_remote_code=True)("def f(x):")["input_ids"]
+tokens = tok("def f(x):")["input_ids"]
 from attnres.conversion.cli import main
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 status = main([sys.argv[1], sys.argv[2], "--revision", "main"])     # SRC pulled by repo id from the cache
 torch.save({"status": status, "logits": logits, "module": type(model).__module__, "tokens": tokens}, sys.argv[5])
 """
+
+
+def python_block(card: Path, heading: str) -> str:
+    """The first ```python block after `heading` in a model card."""
+    after = card.read_text().split(f"\n{heading}\n", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +67,13 @@ def hub_run(tmp_path_factory):
         status = main([str(pushed_src), str(tmp / "pushed"), "--no-verify", "--push-to-hub", "me/tiny-attnres"])
     torch.save(token_ids(), tmp / "ids.pt")
     (tmp / "offline.py").write_text(OFFLINE_SCRIPT)
+    (tmp / "card_snippet.py").write_text(python_block(tmp / "pushed" / "README.md", "## Use"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp / "cache"), HF_HOME=str(tmp / "hf_home"),
                HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "offline.py", "tiny-org/qwen3", str(tmp / "pulled"), "me/tiny-attnres",
-                           "ids.pt", "out.pt"], cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+                           "ids.pt", "out.pt", "card_snippet.py"], cwd=tmp, env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(tmp=tmp, hub=hub, push_status=status, offline=torch.load(tmp / "out.pt"), stdout=proc.stdout,
                 stderr=proc.stderr, pulled_src=pulled_src)
