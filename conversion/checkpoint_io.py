@@ -198,18 +198,33 @@ def open_checkpoint(folder: Path) -> SafetensorsSource | StateDictSource:
                           f"a pytorch_model.bin, or {BIN_INDEX} with its shards.")
 
 
-def resolve_source(src: str, revision: str | None = None) -> Path:
+def resolve_source(src: str, revision: str | None = None, gguf_file: str | None = None) -> Path:
     """A local path as is; otherwise a Hub repo id, downloaded (or found in the cache when
-    `HF_HUB_OFFLINE=1`) with `huggingface_hub.snapshot_download`."""
+    `HF_HUB_OFFLINE=1`) with `huggingface_hub.snapshot_download`. With `gguf_file`, that file of the
+    folder or repo (and, from the Hub, only that file is downloaded)."""
     path = Path(src).expanduser()
-    if path.exists():
+    if not path.exists():
+        path = _download_source(src, revision, gguf_file)
+    if gguf_file is None:
         return path
+    if not (path / gguf_file).is_file():
+        found = listing(str(p.relative_to(path)) for p in path.rglob("*.gguf")) or "none"
+        raise ConversionError(f"--gguf-file {gguf_file!r} is not a file of {src} (its GGUF files: {found}); "
+                              "pass one of those.")
+    return path / gguf_file
+
+
+def _download_source(src: str, revision: str | None, gguf_file: str | None) -> Path:
+    """A Hub repo's snapshot, with only the files the conversion reads."""
     if not REPO_ID.match(src):
         raise ConversionError(f"SRC {src!r} is not an existing path and not a Hub repo id (ORG/NAME).")
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id=src, revision=revision, ignore_patterns=unread_files(src, revision)))
+        patterns = download_patterns(src, revision, gguf_file)
+        return Path(snapshot_download(repo_id=src, revision=revision, **patterns))
+    except ConversionError:
+        raise
     except Exception as err:  # network, auth, offline-cache misses: all end the same way for the user
         raise ConversionError(f"SRC {src!r} is not a local path and could not be fetched from the Hub: "
                               f"{hub_reason(err, revision)}; or download it and pass its folder.") from err
@@ -221,16 +236,26 @@ NEVER_READ = ["original/*", "onnx/*", "*.onnx", "*.onnx_data", "*.msgpack", "*.h
               "coreml/*", "*.mlmodel", "*.mlpackage/*"]
 
 
-def unread_files(repo_id: str, revision: str | None) -> list[str]:
-    """`ignore_patterns` for downloading a source repo: `NEVER_READ`, and the PyTorch pickles where the repo
-    also has safetensors (which the conversion reads first). Offline, the cache is read as it is."""
+def download_patterns(repo_id: str, revision: str | None, gguf_file: str | None = None) -> dict[str, list[str]]:
+    """`snapshot_download`'s file patterns for a source repo: `gguf_file` alone where given; else all but
+    `NEVER_READ`, the PyTorch pickles where the repo also has safetensors (read first) and GGUF copies
+    beside a config.json (never read). A GGUF repo of several files without `gguf_file` is refused before
+    anything is downloaded: a typical one holds every quantisation of the model, gigabytes each. Offline,
+    the cache is read as it is."""
     from huggingface_hub import HfApi, constants
 
+    if gguf_file is not None:
+        return {"allow_patterns": [gguf_file]}
     if constants.is_offline_mode():
-        return NEVER_READ
+        return {"ignore_patterns": NEVER_READ}
     files = HfApi().list_repo_files(repo_id, revision=revision)      # errors: as snapshot_download's would be
+    ggufs = sorted(name for name in files if name.endswith(".gguf"))
+    if "config.json" not in files and len(ggufs) > 1:
+        raise ConversionError(f"{repo_id} holds {len(ggufs)} GGUF files ({listing(ggufs)}) and no config.json; "
+                              "pick the one to convert with --gguf-file NAME (nothing was downloaded).")
     has_safetensors = any(name.endswith(".safetensors") and "/" not in name for name in files)
-    return NEVER_READ + (["*.bin", "*.pth", "*.pt"] if has_safetensors else [])
+    skipped = (["*.bin", "*.pth", "*.pt"] if has_safetensors else []) + (["*.gguf"] if "config.json" in files else [])
+    return {"ignore_patterns": NEVER_READ + skipped}
 
 
 def is_builtin(model: str | Path) -> bool:

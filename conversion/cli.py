@@ -5,6 +5,7 @@ Examples:
     attnres-convert ./qwen3-0.6b out/qwen3-attnres --block-size 4 --dtype bfloat16 --push-to-hub me/qwen3-attnres
     attnres-convert run/ckpt.pt out/seed --config run/config.json --seed-block-size 8
     attnres-convert smollm2-135m-instruct-q4_1.gguf out/smollm2-attnres --dtype bfloat16
+    attnres-convert bartowski/Llama-3.2-1B-Instruct-GGUF out/llama --gguf-file Llama-3.2-1B-Instruct-Q8_0.gguf
 """
 
 import argparse
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-block-size", type=int, help="block size of a seed-layout checkpoint, in sublayers")
     p.add_argument("--config", dest="config_path", type=Path, help="config.json for a bare state-dict file")
     p.add_argument("--revision", help="Hub revision of SRC")
+    p.add_argument("--gguf-file", metavar="NAME", help="the .gguf file to convert in SRC, a folder or Hub repo "
+                   "holding several (from the Hub only that file is downloaded)")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size of the output")
     p.add_argument("--push-to-hub", metavar="REPO", help="upload DST to this Hub repo after converting")
     p.add_argument("--private", action="store_true", default=None, help="create the Hub repo as private")

@@ -124,6 +124,19 @@ def check_options(src: str, options: ConvertOptions) -> None:
     if options.revision is not None and Path(src).expanduser().exists():
         raise UsageError(f"--revision applies to a Hub repo id, but SRC {src!r} is a local path; drop "
                          "--revision, or check out that revision locally.")
+    if options.gguf_file is not None:
+        _check_gguf_file(src, options.gguf_file)
+
+
+def _check_gguf_file(src: str, name: str) -> None:
+    """`--gguf-file` names a .gguf inside SRC (a folder or Hub repo), as transformers' `gguf_file` does."""
+    if Path(src).expanduser().is_file():
+        raise UsageError(f"--gguf-file picks a file inside a folder or Hub repo, but SRC {src!r} is already a file; "
+                         "drop --gguf-file.")
+    parts = Path(name).parts
+    if not name.endswith(".gguf") or Path(name).is_absolute() or ".." in parts:
+        raise UsageError(f"--gguf-file {name!r} is not a .gguf file's path inside SRC; pass its name as the repo "
+                         "or folder lists it, such as model-Q8_0.gguf.")
 
 
 # The command-line spelling of the options whose field names differ from it.
@@ -271,7 +284,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = N
     options = options or ConvertOptions()
     src, dst = require_path(src, "SRC"), require_path(dst, "DST")
     check_options(str(src), options)
-    src_path = resolve_source(str(src), options.revision)
+    src_path = resolve_source(str(src), options.revision, options.gguf_file)
     label = options.source_label or str(src)
     dst = Path(dst).expanduser().resolve()
     check_destination(dst, src_path, options.overwrite)
@@ -281,6 +294,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = N
     _reject_options(options, ("seed_block_size", "config_path"), f"{gguf_file.name} is a GGUF file with its own "
                     "config in its metadata, not a seed-layout state dict.")
     with dequantised_folder(gguf_file, dst) as (folder, origin, model):
+        origin = f"file {options.gguf_file}, {origin}" if options.gguf_file else origin
         return _convert_planned(label, _plan_standard(folder, options, model), dst, options, origin)
 
 

@@ -38,6 +38,7 @@ class ConvertOptions:
     seed_block_size: int | None = None
     config_path: Path | None = None
     revision: str | None = None
+    gguf_file: str | None = None         # the .gguf to convert in a folder or Hub repo holding several
     max_shard_size: str = "5GB"
     source_label: str | None = None      # how the summary and model card name SRC (default: SRC as given)
 

@@ -87,7 +87,7 @@ def find_gguf(src: Path) -> Path | None:
     files = sorted(src.glob("*.gguf"))
     if len(files) > 1:
         raise ConversionError(f"{src} holds {len(files)} GGUF files ({listing(p.name for p in files)}); "
-                              "pass the one to convert as SRC.")
+                              "pass the one to convert as SRC (or name it with --gguf-file).")
     return files[0] if files else None
 
 

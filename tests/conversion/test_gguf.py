@@ -2,6 +2,7 @@
 Q4_1, the type SmolLM2's GGUF uses) converts and matches its dequantised source; bad files are refused."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from attnres.conversion import ConversionError, ConvertOptions, convert
 from attnres.conversion.cli import main
 from modeling_attnres import AttnResForCausalLM
-from tests.conversion.builders import rel_diff, source_model, token_ids
+from tests.conversion.builders import hub_cache_snapshot, rel_diff, source_model, token_ids
 from tests.conversion.gguf_files import CHAT_TEMPLATE, VOCAB_SIZE, dequantised, tokens_and_merges, write_gguf
 
 
@@ -146,3 +147,60 @@ def test_folder_with_two_ggufs_and_seed_options_are_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"--seed-block-size do\(es\) not apply here: a\.gguf is a GGUF"):
         convert(src / "a.gguf", tmp_path / "dst", ConvertOptions(seed_block_size=4))
     assert_nothing_written(tmp_path)
+
+
+@pytest.fixture
+def two_ggufs(tmp_path):
+    """A folder holding two GGUFs of different models, as a Hub GGUF repo holds a model's quantisations."""
+    src = tmp_path / "src"
+    src.mkdir()
+    models = {"tiny-Q8_0.gguf": tiny_llama(seed=5), "tiny-F32.gguf": tiny_llama(seed=6)}
+    for name, model in models.items():
+        write_gguf(model, src / name, Q.Q8_0 if "Q8_0" in name else Q.F32)
+    return src, models
+
+
+def converted_matches(dst, model, qtype) -> bool:
+    converted, ids = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval(), token_ids(VOCAB_SIZE)
+    with torch.no_grad():
+        return rel_diff(converted(ids).logits, dequantised(model, qtype)(ids).logits) < 1e-5
+
+
+def test_gguf_file_picks_one_of_a_folders_ggufs(two_ggufs, tmp_path, capsys):
+    src, models = two_ggufs
+    assert main([str(src), str(tmp_path / "dst"), "--gguf-file", "tiny-F32.gguf", "--no-verify"]) == 0
+    assert "(LlamaForCausalLM; file tiny-F32.gguf, GGUF (F32" in capsys.readouterr().out
+    assert converted_matches(tmp_path / "dst", models["tiny-F32.gguf"], Q.F32)
+    assert not converted_matches(tmp_path / "dst", models["tiny-Q8_0.gguf"], Q.Q8_0)     # the two differ
+    assert "file tiny-F32.gguf" in (tmp_path / "dst" / "README.md").read_text()
+
+
+def test_gguf_file_of_a_hub_repo_offline(two_ggufs, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    src, models = two_ggufs
+    hub_cache_snapshot(src, tmp_path / "cache", "tiny-org/tiny-GGUF")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    options = ConvertOptions(gguf_file="tiny-Q8_0.gguf", verify=False, stream_scale=1.0)
+    result = convert("tiny-org/tiny-GGUF", tmp_path / "dst", options)
+    assert result.src == "tiny-org/tiny-GGUF" and result.origin.startswith("file tiny-Q8_0.gguf, GGUF (Q8_0")
+    assert converted_matches(tmp_path / "dst", models["tiny-Q8_0.gguf"], Q.Q8_0)
+    card = (tmp_path / "dst" / "README.md").read_text()
+    assert "base_model: tiny-org/tiny-GGUF" in card and "file tiny-Q8_0.gguf" in card
+
+
+@pytest.mark.parametrize("name, src_kind, message", [
+    ("tiny-Q4_K_M.gguf", "folder", r"--gguf-file 'tiny-Q4_K_M.gguf' is not a file of .* \(its GGUF files: "
+                                   r"tiny-F32\.gguf, tiny-Q8_0\.gguf\); pass one of those"),
+    ("tiny-F32.gguf", "file", r"SRC .* is already a file; drop --gguf-file"),
+    ("../src/tiny-F32.gguf", "folder", r"is not a \.gguf file's path inside SRC"),
+    ("config.json", "folder", r"is not a \.gguf file's path inside SRC"),
+])
+def test_a_wrong_gguf_file_is_named(two_ggufs, tmp_path, capsys, name, src_kind, message):
+    src = two_ggufs[0] if src_kind == "folder" else two_ggufs[0] / "tiny-F32.gguf"
+    status = main([str(src), str(tmp_path / "dst"), "--gguf-file", name])
+    assert status == (1 if "pass one of those" in message else 2)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("attnres-convert: error: ") and re.search(message, err), err
+    assert not (tmp_path / "dst").exists()

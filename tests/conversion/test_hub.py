@@ -252,8 +252,9 @@ def test_a_push_is_told_it_needs_write_access():
         "the token has no write access to that repo (HTTP 403: use a token of an account that may write to it)")
 
 
-@pytest.mark.parametrize("files, pickles_skipped", [(["config.json", "model.safetensors", "pytorch_model.bin"], True),
-                                                    (["config.json", "pytorch_model.bin"], False)])
+@pytest.mark.parametrize("files, pickles_skipped", [
+    (["config.json", "model.safetensors", "pytorch_model.bin", "model-Q8_0.gguf"], True),
+    (["config.json", "pytorch_model.bin", "model-Q8_0.gguf"], False)])
 def test_a_hub_source_downloads_only_what_the_conversion_reads(monkeypatch, tmp_path, files, pickles_skipped):
     """Not the repo's other formats of the same weights (ONNX, Flax, Llama's original/ checkpoint), nor its
     PyTorch pickles where it has safetensors; offline, the cache is read as it is."""
@@ -267,10 +268,32 @@ def test_a_hub_source_downloads_only_what_the_conversion_reads(monkeypatch, tmp_
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: asked.append(kw) or str(tmp_path))
     assert checkpoint_io.resolve_source("org/model", revision="main") == tmp_path
     (kwargs,) = asked
-    assert kwargs["repo_id"] == "org/model" and kwargs["revision"] == "main"
-    assert {"original/*", "*.onnx", "*.msgpack", "*.h5"} <= set(kwargs["ignore_patterns"])
+    assert kwargs["repo_id"] == "org/model" and kwargs["revision"] == "main" and "allow_patterns" not in kwargs
+    assert {"original/*", "*.onnx", "*.msgpack", "*.h5", "*.gguf"} <= set(kwargs["ignore_patterns"])
     assert ("*.bin" in kwargs["ignore_patterns"]) == pickles_skipped
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: pytest.fail("listed offline"))
     checkpoint_io.resolve_source("org/model")
     assert "*.bin" not in asked[-1]["ignore_patterns"]
+
+
+def test_a_hub_gguf_repo_downloads_the_one_file_named(monkeypatch, tmp_path):
+    """A GGUF repo holds every quantisation of a model (gigabytes each): one is named with --gguf-file and
+    only it is downloaded; without it the repo is refused before anything is downloaded."""
+    import huggingface_hub
+
+    from attnres.conversion import checkpoint_io
+
+    files = ["README.md", "model-Q4_K_M.gguf", "model-Q8_0.gguf", "model-f16.gguf"]
+    asked = []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: files)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: asked.append(kw) or str(tmp_path))
+    with pytest.raises(ConversionError, match=r"org/model-GGUF holds 3 GGUF files \(model-Q4_K_M\.gguf, "
+                       r"model-Q8_0\.gguf, model-f16\.gguf\) and no config\.json; pick the one to convert with "
+                       r"--gguf-file NAME \(nothing was downloaded\)"):
+        checkpoint_io.resolve_source("org/model-GGUF")
+    assert asked == []
+    (tmp_path / "model-Q8_0.gguf").write_bytes(b"")
+    assert checkpoint_io.resolve_source("org/model-GGUF", None, "model-Q8_0.gguf") == tmp_path / "model-Q8_0.gguf"
+    assert asked == [{"repo_id": "org/model-GGUF", "revision": None, "allow_patterns": ["model-Q8_0.gguf"]}]
