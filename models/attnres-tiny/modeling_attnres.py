@@ -156,7 +156,10 @@ CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ 
 
 
 def cache_argument(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
-    """The KV cache a forward was given as `past_key_values` or as `cache` (taken out of `kwargs`)."""
+    """The KV cache a forward was given as `past_key_values` or as `cache` (taken out of `kwargs`). Before 5.24
+    `cache=` is also continuous batching's paged cache, which is no `Cache` and must reach the attention as is."""
+    if CACHE_NAME != "cache" and not isinstance(kwargs.get("cache"), Cache):
+        return past_key_values
     cache = kwargs.pop("cache", None)
     if cache is not None and past_key_values is not None and cache is not past_key_values:
         raise ValueError("Both cache and past_key_values were given, two different caches; pass the KV cache once "

@@ -102,6 +102,24 @@ def test_cached_greedy_generation_equals_full_recomputation(overrides):
     assert torch.equal(cached, seq)
 
 
+@pytest.mark.timeout(300)
+def test_continuous_batching_generates_what_generate_does():
+    """`generate_batch` (transformers' continuous batching, as `transformers serve --continuous-batching` runs
+    it) hands its paged cache to the attention as `cache=`; taken for the KV cache it failed every request."""
+    from transformers import GenerationConfig
+
+    model = tiny_model(seed=3, attn_res_block_size=2)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (6, 3, 9)]
+    config = GenerationConfig(max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=1, pad_token_id=0)
+    with torch.no_grad():
+        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        expected = [model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
+    got = [results[key] for key in sorted(results, key=lambda k: int(k.rsplit("_", 1)[1]))]
+    assert [r.error for r in got] == [None] * 3
+    assert [r.generated_tokens for r in got] == expected
+
+
 def test_decode_step_logits_equal_full_forward():
     model = tiny_model(seed=2, attn_res_block_size=2)
     ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))

