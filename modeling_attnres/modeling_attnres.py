@@ -66,6 +66,7 @@ from .configuration_attnres import (
     AttnResConfig,
     CheckpointMismatchError,
     check_local_folder,
+    check_schedule_as_built,
     describe_mismatched_shapes,
 )
 from .depth_attention import DepthBank, SiteBoundary, acc, add_to_partial
@@ -352,6 +353,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
         folder (and a `push_to_hub` of it) loads with `trust_remote_code=True` for AutoConfig, AutoModel,
         AutoModelForCausalLM and the task heads' Auto classes where this package is not installed. An
         installed `modeling_attnres` still takes precedence when it is."""
+        for base in (module for module in self.modules() if isinstance(module, AttnResModel)):
+            check_schedule_as_built(self.config, base.built_sublayers_per_block)
         self.config.auto_map = dict(AUTO_MAP)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -407,6 +410,7 @@ class AttnResModel(AttnResPreTrainedModel):
         self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.built_sublayers_per_block = config.sublayers_per_block      # the layers' schedule, for save_pretrained
         self.post_init()
 
     @merge_with_config_defaults

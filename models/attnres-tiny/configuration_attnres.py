@@ -324,6 +324,21 @@ class AttnResConfig(LlamaConfig):
         return self.depth_sites[-1].num_stored + 1
 
 
+def check_schedule_as_built(config: AttnResConfig, built_sublayers_per_block: int) -> None:
+    """Refuse a config whose depth-attention schedule was edited after its model was built: the layers fix at
+    construction which sites close a block, so the model still computes the old schedule, and the edited
+    config, saved beside its weights, would load as another model."""
+    if config.sublayers_per_block == built_sublayers_per_block:
+        return
+    built = ("attn_res_mode='full'" if built_sublayers_per_block == 1 else
+             f"attn_res_mode='block', attn_res_block_size={built_sublayers_per_block // 2}")
+    raise ValueError(f"config.attn_res_mode={config.attn_res_mode!r}, attn_res_block_size={config.attn_res_block_size} "
+                     f"is not the depth-attention schedule this model was built with ({built}): it is fixed when "
+                     "the layers are built, so the model still computes the old one, and the edited config would "
+                     "load as another model. Restore those values, or build a model from the edited config "
+                     "(AttnResForCausalLM(config)) and train or convert into it.")
+
+
 _SCHEDULES: dict[tuple[int, int], tuple[DepthSite, ...]] = {}
 
 

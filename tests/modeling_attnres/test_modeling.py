@@ -228,6 +228,23 @@ def test_save_load_round_trip_is_exact(tmp_path):
     assert isinstance(AutoModel.from_pretrained(tmp_path), AttnResModel)
 
 
+@pytest.mark.parametrize("edit", [dict(attn_res_block_size=4), dict(attn_res_block_size=1),
+                                  dict(attn_res_mode="full")])
+def test_a_depth_schedule_edited_after_building_is_refused_on_save(tmp_path, edit):
+    """The layers fix the schedule when they are built: saved, the edited config would load as another model."""
+    model = tiny_model(seed=4, attn_res_block_size=2, num_hidden_layers=4)
+    for field, value in edit.items():
+        setattr(model.config, field, value)
+    built = r"this model was built with \(attn_res_mode='block', attn_res_block_size=2\).*Restore those values"
+    for saved in (model, model.model):
+        with pytest.raises(ValueError, match=built):
+            saved.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    model.config.attn_res_mode, model.config.attn_res_block_size = "block", 2
+    model.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").exists()
+
+
 def test_missing_depth_parameters_are_initialised_not_garbage(tmp_path):
     """from_pretrained builds on meta and only initialises what the checkpoint lacks: check those."""
     from safetensors.torch import load_file, save_file
