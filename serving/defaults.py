@@ -53,7 +53,7 @@ def cache_dir():
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "not writable")
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))          # "Permission denied"
     except OSError as err:
         raise CacheUnusable(f"the cache folder {folder} (from {source}) is not a writable folder "
                             f"({err.strerror or err}); set ATTNRES_CACHE_DIR to one") from err

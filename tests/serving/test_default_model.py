@@ -330,5 +330,15 @@ def test_an_unusable_cache_folder_is_named_and_never_served_around(tmp_path, mon
             assert exited.value.code == 1 and err == [
                 f"attnres-serve: error: the cache folder {cache} (from $ATTNRES_CACHE_DIR) is not a writable folder "
                 f"({'File exists' if cache.name == 'afile' else 'Not a directory'}); set ATTNRES_CACHE_DIR to one"], err
+    # A folder without write permission (tests run as root, whom permissions do not stop: the check is faked).
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(readonly))
+    monkeypatch.setattr(defaults.os, "access", lambda path, mode: Path(path) != readonly)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([])
+    assert exited.value.code == 1 and capsys.readouterr().err.splitlines() == [
+        f"attnres-serve: error: the cache folder {readonly} (from $ATTNRES_CACHE_DIR) is not a writable folder "
+        "(Permission denied); set ATTNRES_CACHE_DIR to one"]
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "new" / "cache"))
     assert defaults.cache_dir() == tmp_path / "new" / "cache" and (tmp_path / "new" / "cache").is_dir()

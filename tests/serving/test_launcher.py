@@ -3,6 +3,8 @@
 and stays, named, after a failure. The real server's start and stop: test_server.py and
 test_server_robustness.py."""
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -12,8 +14,12 @@ from attnres.serving import launcher
 from attnres.serving.launcher import ServerProcess
 
 STAND_IN = """
-import http.server, sys
+import http.server, os, signal, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
+if "--orphan" in sys.argv and os.fork() == 0:      # a worker of the server that outlives a SIGTERM of its leader
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
 if "--fail" in sys.argv:
     print("stand-in: refusing to start", flush=True)
     sys.exit(3)
@@ -73,3 +79,19 @@ def test_a_log_path_given_is_the_callers_and_stays(stand_in):
     with ServerProcess([], log_path=given, startup_timeout=30):
         pass
     assert "stand-in: serving" in given.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_stop_kills_what_outlives_the_server_in_its_group(stand_in):
+    """The server exits on SIGTERM but a process of its group does not: `stop()` reports it and kills it."""
+    server = ServerProcess(["--orphan"], startup_timeout=30).start()
+    pgid = server.proc.pid
+    try:
+        shutdown = server.stop(grace=2)
+        assert shutdown.returncode is not None and shutdown.survivors and not shutdown.graceful, shutdown
+        assert launcher.group_members(pgid) == []
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

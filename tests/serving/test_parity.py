@@ -103,19 +103,52 @@ def test_seed_names_load_as_aliases(engines, checkpoint, tmp_path):
         free_llm(llm)
 
 
-def test_load_weights_lists_missing_and_unexpected_keys(engines, checkpoint, tmp_path):
+# checkpoint variant -> keys deleted, keys added: what a failed start must name. vLLM's own check passes the first
+# two: a fused q/k/v counts as loaded once any shard arrived, and FusedMoE's experts are one parameter.
+# The MoE case first: a failed dense start leaves vLLM's distributed state without the expert-parallel group.
+BROKEN = {
+    "one-expert-missing": ("moe", ["model.layers.2.mlp.experts.1.down_proj.weight"], []),
+    "missing-and-unexpected": ("full-gqa", ["model.layers.1.self_attn.k_proj.weight", "model.norm.weight"],
+                               ["model.layers.0.surprise.weight"]),
+    "one-shard-missing": ("full-gqa", ["model.layers.1.self_attn.k_proj.weight"], []),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_load_weights_lists_missing_and_unexpected_keys(engines, checkpoint, tmp_path, case):
     """Runs last in this module: a failed engine start may leave in-process state behind."""
+    variant, deleted, added = BROKEN[case]
+
     def broken(weights):
         weights = dict(weights)
-        del weights["model.layers.1.self_attn.k_proj.weight"], weights["model.norm.weight"]
-        weights["model.layers.0.surprise.weight"] = torch.zeros(3)
+        for key in deleted:
+            del weights[key]
+        weights.update({key: torch.zeros(3) for key in added})
         return weights
 
-    path = edited_copy(checkpoint("full-gqa"), tmp_path / "broken", broken)
+    path = edited_copy(checkpoint(variant), tmp_path / "broken", broken)
     engines.close()
     with pytest.raises(ValueError, match="does not match AttnResForCausalLM") as info:
         free_llm(make_llm(path, enforce_eager=True))
     message = str(info.value)
-    assert "Missing keys (2)" in message and "Unexpected keys (1)" in message, message[-3000:]
-    for key in ("model.layers.1.self_attn.k_proj.weight", "model.norm.weight", "model.layers.0.surprise.weight"):
+    assert f"Missing keys ({len(deleted)})" in message and f"Unexpected keys ({len(added)})" in message, message[-3000:]
+    for key in deleted + added:
         assert key in message
+
+
+# Refused by the model's constructor, before vLLM allocates anything: vLLM alone would start the first and die on
+# its first request, and index past the embedding on the second's last tokens.
+REFUSED = {
+    "head-size": (dict(head_dim=16), r"head_dim 16 \(hidden_size 64, num_attention_heads 4\) has no kernel in "
+                                     r"vLLM's CPU attention"),
+    "tokenizer-larger-than-vocab": (dict(vocab_size=100), r"has 104 tokens but the model's vocab_size is 100"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_an_engine_start_refuses_what_it_cannot_serve(engines, checkpoints, case):
+    overrides, message = REFUSED[case]
+    path = checkpoints(f"refused-{case}", seed=5, **overrides)
+    engines.close()
+    with pytest.raises(ValueError, match=message):
+        free_llm(make_llm(path, enforce_eager=True))

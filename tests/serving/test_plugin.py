@@ -215,6 +215,10 @@ def test_serve_argv_respects_given_options():
     assert cli.serve_argv(["m"], cpu=False, env={}) == ["serve", "m", "--host", "127.0.0.1", *GRACE, *ALWAYS]
     other = cli.serve_argv(["m", "--middleware", "my.Middleware"], cpu=False, env={})
     assert cli.option_values(other, "--middleware") == ["my.Middleware", cli.MIDDLEWARE]      # ours is added too
+    named = cli.serve_argv([SHIPPED_MODEL, "--served-model-name", "mine"], cpu=False, env={})
+    assert cli.option_values(named, "--served-model-name") == ["mine"]      # not the built-in model's name too
+    assert cli.option_values(cli.serve_argv([SHIPPED_MODEL], cpu=False, env={}), "--served-model-name") == [
+        "attnres-tiny"]
 
 
 def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_wins(tmp_path, monkeypatch, capfd,
@@ -250,6 +254,8 @@ def test_a_config_file_of_options_is_read_as_vllm_reads_it_and_the_command_line_
     assert "Unable to read the config file" not in said                          # vLLM's line: ours alone is said
     with pytest.raises(UsageError, match=r"--config needs a value: a \.yaml file"):
         cli.serve_argv(["--port", "9", "--config"], cpu=False, env={})
+    with pytest.raises(UsageError, match=r"--config is given 2 times; pass one YAML file of options"):
+        cli.serve_argv(["--config", str(config), f"--config={config}"], cpu=False, env={})
 
 
 def test_the_default_model_named_gets_what_the_default_gets(tmp_path, monkeypatch):
@@ -420,11 +426,13 @@ def refuse_to_build(*args):
     raise AssertionError("a model was resolved before the command line was checked")
 
 
-@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+@pytest.mark.parametrize("port", ["99999", "65536", "-1", "http"])
 def test_a_port_that_is_not_one_is_refused_before_any_model_is_built(port, monkeypatch):
     monkeypatch.setattr(cli, "resolve_default", refuse_to_build)
     with pytest.raises(UsageError, match=f"--port '{port}' is not a TCP port; pass a number from 0 to 65535"):
         cli.serve_argv([f"--port={port}"], cpu=True, env={})
+    for edge in ("0", "65535"):
+        assert cli.option_values(cli.serve_argv(["m", "--port", edge], cpu=True, env={}), "--port") == [edge]
 
 
 @pytest.mark.parametrize("given, message", [
