@@ -21,6 +21,7 @@ from tests.support.parity import PROMPTS, assert_matches, reference
 from tests.support.reference import load_hf
 
 STEPS = 8
+LONG_PROMPT = torch.randint(8, 104, (40,), generator=torch.Generator().manual_seed(40)).tolist()
 # One of each kind the checkpoint format has; layer 1 is a second pipeline stage's under PP=2.
 UPDATED = ["model.layers.1.mlp_res_proj.weight", "model.layers.0.self_attn.q_proj.weight",
            "model.layers.1.self_attn.v_proj.bias", "model.layers.0.mlp.up_proj.weight",
@@ -39,28 +40,34 @@ def models(checkpoints, tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_an_engine_takes_partial_updates_one_tensor_per_call(models, capfd):
     base, new, changes = models
-    before, after = reference(load_hf(base), PROMPTS, STEPS), reference(load_hf(new), PROMPTS, STEPS)
+    prompts = [*PROMPTS, LONG_PROMPT]
+    before, after = reference(load_hf(base), prompts, STEPS), reference(load_hf(new), prompts, STEPS)
     assert [r.tokens for r in before] != [r.tokens for r in after], "the update changes nothing: nothing tested"
-    llm = make_llm(base, enforce_eager=True, worker_extension_cls=WORKER_EXTENSION)
+    # Prefix caching in blocks of 32 tokens (the CPU attention's smallest): the long prompt's first block is
+    # computed before the update and must not be reused after it (update_weights drops the prefix cache).
+    llm = make_llm(base, enforce_eager=True, worker_extension_cls=WORKER_EXTENSION, block_size=32,
+                   enable_prefix_caching=True)
     try:
-        assert_matches("before the update", generate(llm, PROMPTS, STEPS, logprobs=5), before)
+        assert_matches("before the update", generate(llm, prompts, STEPS, logprobs=5), before)
         capfd.readouterr()
         for name, tensor in changes.items():
+            name = "lm_head.weight" if name == "model.embed_tokens.weight" else name    # a tied head's own name
             update_weights(llm, [(name, tensor)])
         said = "".join(capfd.readouterr())       # vLLM's whole-checkpoint warnings, about the modules kept as asked
         assert "Failed to load weights" not in said and "were not loaded from checkpoint" not in said, said[-2000:]
-        assert_matches("after the update", generate(llm, PROMPTS, STEPS, logprobs=5), after)
+        assert_matches("after the update", generate(llm, prompts, STEPS, logprobs=5), after)
         bad = [([("model.layers.0.no_such.weight", torch.zeros(3))], "model.layers.0.no_such.weight: not a parameter"),
                ([("model.norm.weight", torch.zeros(5))], "model.norm.weight: shape (5,), the checkpoint's is (64,)"),
                ([("model.norm.weight", torch.zeros(64, dtype=torch.int64))], "dtype torch.int64"),
-               ([("model.norm.weight", torch.full((64,), float("nan")))], "model.norm.weight: holds NaN or infinite")]
+               ([("model.norm.weight", torch.full((64,), float("nan")))], "model.norm.weight: holds NaN or infinite"),
+               ([("model.norm.weight", torch.full((64,), float("-inf")))], "model.norm.weight: holds NaN or infinite")]
         for update, message in bad:
             with pytest.raises(ValueError, match="nothing was changed") as err:
                 update_weights(llm, update)
             assert message in str(err.value), str(err.value)
-        assert_matches("after refused updates", generate(llm, PROMPTS, STEPS, logprobs=5), after)
+        assert_matches("after refused updates", generate(llm, prompts, STEPS, logprobs=5), after)
         update_weights(llm, dict(changes))                       # a mapping (a state_dict()) as well as pairs
-        assert_matches("after a mapping's update", generate(llm, PROMPTS, STEPS, logprobs=5), after)
+        assert_matches("after a mapping's update", generate(llm, prompts, STEPS, logprobs=5), after)
     finally:
         free_llm(llm)
 
@@ -94,8 +101,9 @@ def test_a_mixture_of_experts_takes_router_and_shared_expert_updates(checkpoints
 
 def test_encoded_tensors_cross_vllms_process_boundary_intact():
     """To an engine in another process the arguments go through vLLM's msgpack (untyped) and then pickle to
-    the workers: a tensor does not come out of that (examples/rl_grpo.py runs the real engine), its
-    `encode_tensor` form does, in every dtype and shape; anything else is refused naming the weight."""
+    the workers: a tensor does not come out of that, its `encode_tensor` form does, in every dtype and shape;
+    anything else is refused naming the weight. `update_weights` into a real engine in another process (which
+    of the two forms it sends): tests/examples/test_rl_grpo.py, which runs examples/rl_grpo.py on one."""
     import pickle
 
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -158,6 +166,10 @@ def test_an_unknown_name_says_what_it_probably_meant():
         assert hint in str(err.value), str(err.value)
     ones = torch.ones(64)
     check_update(model, [("model.norm.weight", ones), ("model.norm.weight", ones.clone())])     # the same values
+    quantized = SimpleNamespace(**{**vars(model), "quant_config": SimpleNamespace()})
+    with pytest.raises(ValueError, match=r"weight updates into a quantized model \(SimpleNamespace\) are not "
+                                         r"supported: update the unquantized model and quantize it again"):
+        check_update(quantized, [("model.norm.weight", ones)])
     with pytest.raises(ValueError, match=r"model.norm.weight: the same weight as model.norm.weight \(a tied or "
                                          r"repeated name\) with other values; send one of them"):
         check_update(model, [("model.norm.weight", ones), ("model.norm.weight", torch.zeros(64))])
@@ -216,9 +228,12 @@ def test_a_server_takes_partial_updates_through_collective_rpc(models, server, t
     before, after = reference(load_hf(base), PROMPTS, STEPS), reference(load_hf(new), PROMPTS, STEPS)
     assert_matches("server before the update", served(server), before)
     for i, (name, tensor) in enumerate(changes.items()):
-        save_file({name: tensor.contiguous()}, tmp_path / f"{i}.safetensors")
-        status, answer = post(server, "/collective_rpc", {"method": "attnres_update_weights_from_file",
-                                                           "args": [str(tmp_path / f"{i}.safetensors")]})
+        if tensor.dim() == 1:         # small: as JSON, the route's own serialized form ([name, nested list] pairs)
+            call = {"method": "attnres_update_weights", "args": [json.dumps([[name, tensor.tolist()]])]}
+        else:
+            save_file({name: tensor.contiguous()}, tmp_path / f"{i}.safetensors")
+            call = {"method": "attnres_update_weights_from_file", "args": [str(tmp_path / f"{i}.safetensors")]}
+        status, answer = post(server, "/collective_rpc", call)
         assert status == 200 and answer["results"] == [[name]], answer
     assert post(server, "/reset_prefix_cache", {})[0] == 200
     assert_matches("server after the update", served(server), after)
