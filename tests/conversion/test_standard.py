@@ -39,6 +39,9 @@ def test_exact_at_eps_zero(tmp_path, name):
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     zero = [p for n, p in model.named_parameters() if n.endswith("_res_proj.weight")]
     assert len(zero) == 2 * src.config.num_hidden_layers + 1 and all(not p.any() for p in zero)
+    # and every depth key-norm gain one (a zero gain gives the same forward, and a zero gradient to every query)
+    gains = [p for n, p in model.named_parameters() if n.endswith("_res_norm.weight")]
+    assert len(gains) == 2 * src.config.num_hidden_layers + 1 and all(torch.equal(p, torch.ones_like(p)) for p in gains)
 
 
 @pytest.mark.parametrize("name", ["llama_tied_bias", "qwen3"])
@@ -51,6 +54,9 @@ def test_eps_deviation_is_exactly_the_predicted_one(tmp_path, name):
     chosen = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False))
     assert list(chosen.scale_errors) == [1.0, 2.0, 4.0, 8.0]          # up to >= 5 sources (4 blocks + partial)
     assert chosen.stream_scale == min(chosen.scale_errors, key=chosen.scale_errors.get)
+    card = (tmp_path / "dst" / "README.md").read_text()
+    assert (f"- residual-stream scale s: {chosen.stream_scale:g} (calibrated; predicted relative logit error "
+            f"{chosen.calibration_summary()})") in card
     ids, calibration_ids = token_ids(), prompt_ids(None, src.config.vocab_size)
     with torch.no_grad():
         for scale, predicted_error in chosen.scale_errors.items():
@@ -76,6 +82,27 @@ def test_weights_are_carried_bit_exactly_with_unit_scale(tmp_path):
             assert torch.equal(converted[key], tensor), key
     # Qwen2's o_proj has no bias; AttnRes's attention_bias covers it, filled with zeros.
     assert not converted["model.layers.0.self_attn.o_proj.bias"].any()
+
+
+def test_float16_output_is_not_calibrated_even_with_eps(tmp_path):
+    """float16 ends at 65504 and real residual streams have outliers in the thousands: s = 1 unless asked."""
+    save_source(source_model("llama", eps=1e-5), tmp_path / "src", shards=False)
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False, dtype="float16"))
+    assert result.stream_scale == 1.0 and not result.scale_errors
+
+
+def test_the_default_dtype_is_the_sources_and_its_token_ids_are_kept(tmp_path):
+    """`--dtype auto`: a bfloat16 source stays bfloat16 (weights and config); bos/eos/pad ids other than the
+    defaults carry over."""
+    src = source_model("llama", eps=0.0, bos_token_id=4, eos_token_id=5, pad_token_id=6).to(torch.bfloat16)
+    save_source(src, tmp_path / "src", shards=False)
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(verify=False))
+    assert result.dtype == torch.bfloat16
+    with safe_open(tmp_path / "dst" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (4, 5, 6)
 
 
 def test_float16_output_is_not_scaled_by_default(tmp_path):
