@@ -102,6 +102,16 @@ def test_clipping_keeps_the_rope_factor_longrope_derives_from_the_positions(tmp_
         assert rel_diff(converted(ids).logits, source(ids).logits) < 1e-5
 
 
+def test_clipping_keeps_an_explicit_yarn_factor(tmp_path):
+    """A yarn factor given in the config is the model's own: clipping the positions must not derive another."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 32}
+    source = source_model("mistral", sliding_window=64, rope_parameters=rope).eval()
+    src = save_source(source, tmp_path / "src", tokenizer=True)
+    result = convert(src, tmp_path / "dst", ConvertOptions(clip_to_window=True))
+    assert result.verification.passed and result.config.rope_parameters["factor"] == 2.0
+    assert result.config.max_position_embeddings == 64
+
+
 @pytest.mark.parametrize("rope,pattern", [
     ({"rope_type": "mrope", "rope_theta": 1e4, "mrope_section": [2, 2, 4]}, "rope_type 'mrope' is not supported"),
     ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
@@ -135,6 +145,15 @@ def test_non_finite_weights_are_named_before_anything_is_written(tmp_path, llama
     refuse(tmp_path, llama_src, pattern, **({"dtype": dtype} if dtype else {}))
 
 
+def test_an_index_that_leaves_out_a_stored_tensor_is_named(tmp_path, llama_src):
+    index = llama_src / "model.safetensors.index.json"
+    saved = json.loads(index.read_text())
+    del saved["weight_map"]["model.layers.0.mlp.up_proj.weight"]
+    index.write_text(json.dumps(saved))
+    refuse(tmp_path, llama_src, r"index\.json does not match the shards: model\.layers\.0\.mlp\.up_proj\.weight\. "
+                                r"The shards and the index come from different saves")
+
+
 def test_missing_shard_is_named(tmp_path, llama_src):
     shard = sorted(llama_src.glob("*.safetensors"))[0]
     shard.unlink()
@@ -158,12 +177,23 @@ def test_leftover_and_unfilled_keys_are_listed(tmp_path):
                           r"model\.norm\.weight")
 
 
+def test_a_bias_the_config_turns_off_is_named_not_a_traceback(tmp_path):
+    src = save_source(source_model("llama", attention_bias=True), tmp_path / "src", shards=False)
+    edit_config(src, attention_bias=False)
+    refuse(tmp_path, src, r"Source key\(s\) map to target keys the AttnRes model does not have: .*"
+                          r"model\.layers\.0\.self_attn\.k_proj\.bias")
+
+
 def test_stored_tied_head_must_equal_the_embedding(tmp_path):
     src = save_source(source_model("qwen2_tied"), tmp_path / "src", shards=False)
     weights = load_file(src / "model.safetensors")
     embed = weights["model.embed_tokens.weight"]
     save_file({**weights, "lm_head.weight": embed.clone()}, src / "model.safetensors")
     convert(src, tmp_path / "ok", ConvertOptions(verify=False))        # an export that stores the tied head
+    # A key that only starts like a mapped one (a quantizer's scale beside the head) matches no rule: listed.
+    save_file({**weights, "lm_head.weight": embed.clone(), "lm_head.weight_scale": torch.ones(1)},
+              src / "model.safetensors")
+    refuse(tmp_path, src, r"1 source key\(s\) match no rule of the key map: lm_head\.weight_scale")
     save_file({**weights, "lm_head.weight": embed + 1}, src / "model.safetensors")
     refuse(tmp_path, src, "tie_word_embeddings is true but the checkpoint stores an lm_head.weight that differs")
 
@@ -187,6 +217,11 @@ def test_existing_destination_needs_overwrite_and_overwrite_replaces_only_a_chec
     (dst / "stale.txt").write_text("from an earlier run")
     assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 0
     assert not (dst / "stale.txt").exists() and (dst / "config.json").exists()
+    for weights in dst.glob("*.safetensors*"):                            # a PyTorch-pickle checkpoint
+        weights.unlink()
+    (dst / "pytorch_model.bin").write_bytes(b"")
+    assert main([str(llama_src), str(dst), "--no-verify", "--overwrite"]) == 0
+    assert not (dst / "pytorch_model.bin").exists() and (dst / "config.json").exists()
 
 
 @pytest.mark.parametrize("empty", ["src", "dst"])
