@@ -58,6 +58,25 @@ def test_seed_state_dict_matches_oracle(tmp_path, sublayers, mode, tied):
     assert converted.config.tie_word_embeddings == tied
 
 
+@pytest.mark.parametrize("saved_as", ["lightning", "model_state_dict", "ddp-over-compile"])
+def test_training_frameworks_checkpoints_convert(tmp_path, saved_as):
+    """Lightning's `state_dict` key, a `model_state_dict` key, DDP over torch.compile (`module._orig_mod.`);
+    biases the config does not mention are read from the keys."""
+    model = tiny_model(seed=13, attn_res_block_size=2, attention_bias=True, mlp_bias=True)
+    state = seed_state_dict(model)
+    if saved_as == "ddp-over-compile":
+        state = {"module._orig_mod." + k.removeprefix("module."): v for k, v in state.items()}
+    key = {"lightning": "state_dict", "model_state_dict": "model_state_dict"}.get(saved_as, "model")
+    torch.save({key: state, "config": seed_config(model, 4), "epoch": 3}, tmp_path / "ckpt.pt")
+    convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(verify=False))
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float64).eval()
+    assert converted.config.attention_bias and converted.config.mlp_bias
+    ids = token_ids(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, naive_forward(oracle_state_dict(model), model.config, ids),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_a_tied_models_state_dict_converts_with_its_stored_head_and_a_differing_head_is_refused(tmp_path):
     """`torch.save(model.state_dict())` of a tied model stores `lm_head.weight` (the embedding again): it is
     dropped once checked equal, as the standard path does; a head that differs means the tie flag is wrong."""
@@ -100,6 +119,11 @@ def test_reconverting_a_converted_folder_keeps_its_cards_stream_scale_and_base_m
     from attnres.conversion.quantize import quantize_checkpoint
 
     quantize_checkpoint(tmp_path / "first", tmp_path / "w8a8")                   # its card carries s too
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "first" / "model.safetensors", "pt") as first, \
+            safe_open(tmp_path / "w8a8" / "model.safetensors", "pt") as quantized:     # untied: its own head kept
+        assert torch.equal(quantized.get_tensor("lm_head.weight"), first.get_tensor("lm_head.weight"))
     assert "- residual-stream scale s: 4 (applied when the source was converted" in (
         tmp_path / "w8a8" / "README.md").read_text()
 
@@ -171,6 +195,8 @@ def test_training_config_junk_is_dropped_and_inapplicable_options_refused(tmp_pa
     torch.save({"model": seed_state_dict(model), "config": config}, tmp_path / "ckpt.pt")
     with pytest.raises(ConversionError, match=r"--block-size, --stream-scale do\(es\) not apply here"):
         convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(block_size=3, stream_scale=2.0))
+    with pytest.raises(ConversionError, match=r"--mode do\(es\) not apply here"):
+        convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(mode="full"))
     with pytest.warns(UserWarning, match="ignored: batch_size, lr"):
         convert(tmp_path / "ckpt.pt", tmp_path / "dst", ConvertOptions(verify=False))
     saved = json.loads((tmp_path / "dst" / "config.json").read_text())
