@@ -13,9 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres.conversion import retrofit
-from attnres.conversion.distill import kl_to_teacher, paragraph_windows
+from attnres.conversion.distill import heldout_loss, kl_to_teacher, no_worse, paragraph_windows
 from attnres.models import shipped_model_path
 from modeling_attnres.configuration_attnres import is_depth_parameter
+from tests.support.models import tiny_model
 from tests.support.training import RETROFIT_ARGS, write_corpus, write_zeroed
 
 
@@ -49,6 +50,27 @@ def test_kl_term_is_the_kl_divergence():
                                rtol=1e-5, atol=1e-6)
     assert kl_to_teacher(teacher, teacher).abs() < 1e-6
     assert kl_to_teacher(student, teacher) > 0.1
+
+
+@pytest.mark.timeout(60)
+def test_heldout_loss_is_the_language_model_loss_per_predicted_token():
+    """The held-out loss reported before and after training is transformers' own LM loss on the same windows
+    (nats per predicted token: a window of n tokens predicts n - 1), whatever the evaluation batch."""
+    model = tiny_model()
+    windows = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=windows, labels=windows).loss.item()
+    assert heldout_loss(model, windows) == pytest.approx(want, rel=1e-5)
+    assert heldout_loss(model, windows, batch_size=2) == pytest.approx(want, rel=1e-5)
+
+
+def test_a_trained_model_is_kept_only_when_no_worse_on_both_measures():
+    """Better long windows do not buy worse paragraph starts, nor the other way round: either keeps the start."""
+    before = {"loss": 2.0, "short_loss": 3.0}
+    assert no_worse({"loss": 1.5, "short_loss": 2.5}, before)
+    assert no_worse(dict(before), before)
+    assert not no_worse({"loss": 1.5, "short_loss": 3.5}, before)
+    assert not no_worse({"loss": 2.5, "short_loss": 2.5}, before)
 
 
 @pytest.mark.timeout(60)

@@ -254,7 +254,9 @@ def test_a_push_is_told_it_needs_write_access():
 
 @pytest.mark.parametrize("files, pickles_skipped", [
     (["config.json", "model.safetensors", "pytorch_model.bin", "model-Q8_0.gguf"], True),
-    (["config.json", "pytorch_model.bin", "model-Q8_0.gguf"], False)])
+    (["config.json", "pytorch_model.bin", "model-Q8_0.gguf"], False),
+    # Safetensors only in a training checkpoint's subfolder: the weights the conversion reads are the .bin.
+    (["config.json", "pytorch_model.bin", "checkpoint-500/model.safetensors"], False)])
 def test_a_hub_source_downloads_only_what_the_conversion_reads(monkeypatch, tmp_path, files, pickles_skipped):
     """Not the repo's other formats of the same weights (ONNX, Flax, Llama's original/ checkpoint), nor its
     PyTorch pickles where it has safetensors; offline, the cache is read as it is."""

@@ -6,6 +6,7 @@ to one: exactly what a conversion produces (uniform depth mixing), on a model wh
 trained to use depth attention, so the depth parameters have something to learn in a few steps.
 """
 
+import hashlib
 import json
 import shutil
 import sysconfig
@@ -146,6 +147,19 @@ def test_a_builtin_model_is_retrofitted_from_its_folder_and_an_unknown_name_is_a
         f"attnres-retrofit: error: unknown built-in model 'builtin:attnres-huge'; the built-in models are "
         f"{', '.join(BUILTIN_MODELS)}"]
     assert not (tmp_path / "w2").exists()
+
+
+def test_resume_takes_the_highest_step_not_the_last_name_in_sorted_order(tmp_path):
+    """checkpoint-10 comes after checkpoint-9 (not before it, as the names sort): --resume continues from the
+    newest step."""
+    for step in (9, 10):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        (folder / retrofit_work.COMPLETE_MARKER).write_text(json.dumps(
+            {"step": step, "files": retrofit_work.checkpoint_files(folder)}))
+        assert retrofit_work.is_complete(folder)
+    assert retrofit.last_checkpoint(tmp_path, log=lambda _: None) == str(tmp_path / "checkpoint-10")
 
 
 def test_two_runs_in_one_work_dir_are_refused(zeroed, corpus, tmp_path):
@@ -359,6 +373,18 @@ def test_resume_refuses_another_model_or_options_and_a_new_run_clears_the_old_ch
         retrofit.read_corpus(corpus, ("*.py",), 20)))
 
 
+def test_resume_refuses_another_kl_weight(zeroed, corpus, tmp_path, capsys):
+    """The KL weight changes every step's gradient, so checkpoints trained with another --kl-weight are not
+    continued: the refusal names the option with both values."""
+    work = tmp_path / "w"
+    work.mkdir()
+    args = retrofit.parse_args([str(zeroed), str(corpus), *RETROFIT_ARGS, "--work-dir", str(work)])
+    retrofit_work.start_fresh(work, retrofit.run_record(args, retrofit.read_corpus(corpus, ("*.py",), 20)))
+    (work / "checkpoint-1").mkdir()
+    changed = error_of(capsys, zeroed, corpus, *RETROFIT_ARGS, "--work-dir", work, "--resume", "--kl-weight", "0.5")
+    assert "were trained with another --kl-weight (was 1.0, now 0.5)" in changed
+
+
 def test_apply_refuses_a_file_from_another_model(tmp_path):
     model = tiny_model(num_hidden_layers=2, attn_res_block_size=1)
     other = tiny_model(num_hidden_layers=3, attn_res_block_size=1)
@@ -371,6 +397,51 @@ def test_apply_refuses_a_file_from_another_model(tmp_path):
     (tmp_path / "x.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
     with pytest.raises(retrofit.RetrofitError, match="not a depth-parameter file"):
         retrofit.apply_depth_parameters(model, tmp_path / "x.safetensors")
+
+
+def test_apply_refuses_a_file_from_another_block_schedule(tmp_path):
+    """The same layers and shapes with another attn_res_block_size mix other sources at each site: the
+    trained queries mean something else there, so the file is refused though every tensor would fit."""
+    model = tiny_model(num_hidden_layers=2, attn_res_block_size=1)
+    model.save_pretrained(tmp_path / "m")
+    retrofit.export_depth(tmp_path / "m", tmp_path / "d.safetensors", {"steps": 0})
+    other = tiny_model(num_hidden_layers=2, attn_res_block_size=2)
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    with pytest.raises(retrofit.RetrofitError, match="different model.*attn_res_block_size: file 1 vs model 2"):
+        retrofit.apply_depth_parameters(other, tmp_path / "d.safetensors")
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+
+
+def hash_bucket(rel_path: str) -> int:
+    """The split's hash of a corpus file's relative path (retrofit's docstring: sha256 % 100; its first four
+    bytes, big-endian)."""
+    return int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:4], "big") % 100
+
+
+def test_a_file_is_held_out_only_when_its_hash_is_below_the_percent(tmp_path):
+    """--validation-percent P holds out the files whose hash bucket is 0..P-1 (P of 100 buckets): a file in
+    bucket P itself is trained on."""
+    at = next(f"{i}.txt" for i in range(1000) if hash_bucket(f"{i}.txt") == 10)
+    below = next(f"{i}.txt" for i in range(1000) if hash_bucket(f"{i}.txt") < 10)
+    (tmp_path / at).write_text("trained on\n")
+    (tmp_path / below).write_text("held out\n")
+    assert not retrofit.is_validation(at, 10) and retrofit.is_validation(at, 11)
+    assert retrofit.read_corpus(tmp_path, ("*.txt",), 10) == {"train": ["trained on\n"], "validation": ["held out\n"]}
+
+
+def test_seq_len_may_be_the_models_max_position_embeddings():
+    """Windows of exactly max_position_embeddings tokens use positions the model was trained on; one more
+    is refused."""
+    retrofit.check_positions(256, {"max_position_embeddings": 256})
+    with pytest.raises(UsageError, match=r"--seq-len 257 is longer than the model's max_position_embeddings \(256\)"):
+        retrofit.check_positions(257, {"max_position_embeddings": 256})
+
+
+def test_training_uses_no_weight_decay(tmp_path):
+    """The Trainer's weight decay would pull the pseudo-queries back towards zero (uniform mixing, what a
+    conversion starts from): retrofit trains without it."""
+    args = retrofit.parse_args([str(tmp_path / "model"), str(tmp_path / "corpus"), "--work-dir", str(tmp_path / "w")])
+    assert retrofit.training_arguments(args, 1).weight_decay == 0.0
 
 
 def test_fsdp_on_cpus_is_refused_not_silently_run_as_ddp(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import attnres.conversion.converter as converter_module
-from attnres.conversion import ConvertOptions, VerificationFailed, convert
+from attnres.conversion import ConvertOptions, VerificationFailed, convert, verify
 from attnres.conversion.cli import main
 from attnres.conversion.datatypes import VerifyReport
 from attnres.conversion.standard import standard_rules
@@ -81,6 +81,33 @@ def test_a_failed_verification_blames_the_eps_effect_only_where_the_spec_predict
     assert blamed in message
     assert ("converter bug" in message) == (blamed == "converter bug")
     assert ("eps effect itself" in message) == (blamed == "the rms_norm_eps effect")
+
+
+@pytest.mark.parametrize("vs_prediction, holds", [(5e-4, True), (2e-3, False)])
+def test_the_prediction_holds_up_to_1e_4_of_the_largest_logit(vs_prediction, holds):
+    """Float noise is at most 1e-4 of the largest source logit (1e-3 where it is 10); more is a
+    converter bug, and the conversion fails."""
+    report = VerifyReport(max_abs_diff=1e-3, max_rel_diff=1e-4, logit_scale=10.0, argmax_agreement=1.0,
+                          greedy_agree=True, vs_prediction=vs_prediction, reference="the source",
+                          prediction="the source with the spec's eps", explained="eps", greedy_reference="the source",
+                          num_prompts=3, new_tokens=8)
+    assert report.prediction_holds == holds and report.passed == holds
+    assert bool(report.failures()) != holds
+
+
+def test_the_greedy_reference_is_the_source_rounded_to_the_output_dtype(tmp_path, monkeypatch):
+    """A bfloat16 output is compared token for token with the source whose weights are rounded to bfloat16
+    (as the report says), not the float32 source: rounding alone may flip a near-tie."""
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    seen, greedy = [], verify._greedy
+
+    def recording(model, ids):
+        seen.append(all(torch.equal(p, p.to(torch.bfloat16).float()) for p in model.parameters()))
+        return greedy(model, ids)
+    monkeypatch.setattr(verify, "_greedy", recording)
+    result = convert(src, tmp_path / "dst", ConvertOptions(dtype="bfloat16", keep_failed=True))
+    assert result.verification.greedy_reference == "the source with weights rounded to bfloat16"
+    assert seen[0], "the greedy reference ran on weights not rounded to bfloat16"
 
 
 def test_verification_prompts_hold_distinct_tokens_and_fit_the_positions(tmp_path):
