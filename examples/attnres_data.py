@@ -26,11 +26,12 @@ PAD_TOKEN = "<|pad|>"
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN, *CHAT_TOKENS]
 
-# The model is a code-completion model, not a chat model: the template concatenates the message
-# contents so that a chat request continues the code the user sent.
+# The model is a code-completion model, not a chat model: the template joins the message contents with
+# newlines so that a chat request continues the code the user sent. The newline is an expression: transformers
+# and vLLM render with `trim_blocks`, which drops a newline written right after a block tag.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['content'] }}"
-    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
 )
 
 

@@ -107,8 +107,8 @@ tags: [attnres, attention-residuals, code, tiny]
 
 A tiny {arch} language model trained from scratch on {corpus_text(args)},
 as the built-in demo model of the `attnres` project (Attention Residuals, Kimi Team, arXiv:2603.15031).
-It completes Python code; it is not an instruction or chat model (the chat template simply concatenates
-the message contents, so a chat request continues the code it contains).
+It completes Python code; it is not an instruction or chat model (the chat template joins
+the message contents with newlines, so a chat request continues the code it contains).
 
 ## Model
 

@@ -70,6 +70,9 @@ def test_tokenizer_round_trips_code_and_has_a_chat_template(shipped):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "import sys"}], tokenize=False,
                                            add_generation_prompt=True)
     assert prompt == "import sys"
+    # messages joined by newlines, as transformers and vLLM render templates (trim_blocks)
+    turns = [{"role": "system", "content": "import os"}, {"role": "user", "content": "import sys"}]
+    assert tokenizer.apply_chat_template(turns, tokenize=False) == "import os\nimport sys"
 
 
 def test_shipped_remote_code_is_the_current_modeling_code():
