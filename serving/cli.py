@@ -311,8 +311,15 @@ def vllm_model_tag(args: list[str]) -> str | None:
         with contextlib.redirect_stderr(messages):
             return serve.parse_args(args).model_tag
     except SystemExit:
-        message = messages.getvalue().strip().splitlines()[-1:] or ["the command line is not valid"]
-        raise UsageError(message[0].split(": error: ", 1)[-1]) from None
+        raise UsageError(parser_error(messages.getvalue())) from None
+
+
+def parser_error(said: str) -> str:
+    """vLLM's parser error in one line: from `error: ` on, without the usage line before it and pydantic's
+    closing link (a checked option's reason, on the lines between, is the message)."""
+    lines = said.strip().split(": error: ", 1)[-1].splitlines() if ": error: " in said else []
+    kept = [line.strip() for line in lines if line.strip() and not line.strip().startswith("For further information")]
+    return " ".join(kept) or "the command line is not valid"
 
 
 def kernel_setting(vllm_args: list[str], cpu: bool, env: dict | None = None) -> str | None:

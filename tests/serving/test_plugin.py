@@ -440,7 +440,10 @@ def test_a_port_that_is_not_one_is_refused_before_any_model_is_built(port, monke
     (["--port", "9000", "--model"], "--model needs a value"),
     (["--port", "9000", "m", "--max-model-len"], "argument --max-model-len: expected one argument"),
     (["m", "--bogus-opt"], "unrecognized arguments: --bogus-opt"),          # vLLM: its top-level usage, relabelled
-    (["m", "--max-model-len", "abc"], "argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'")])
+    (["m", "--max-model-len", "abc"], "argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'"),
+    (["m", "--structured-outputs-config", '{"disable_any_whitespace": true}'],   # pydantic's reason, not its link
+     "argument --structured-outputs-config: 1 validation error for StructuredOutputsConfig Value error, "
+     "disable_any_whitespace is only supported for xgrammar and guidance backends.")])
 def test_a_command_line_vllm_would_refuse_is_refused_before_any_model_is_built(given, message, monkeypatch):
     monkeypatch.setattr(cli, "resolve_default", refuse_to_build)
     with pytest.raises(UsageError, match=re.escape(message)):
