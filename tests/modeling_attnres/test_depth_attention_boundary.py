@@ -261,6 +261,15 @@ def test_the_fused_kernel_matches_the_torch_reference(dtype, bank_dtype, n, form
     if keep:
         torch.testing.assert_close(got.mixed.float(), ref.mixed.float(), rtol=ulp + 1e-5, atol=3e-5)
         torch.testing.assert_close(got.weights, ref.weights, rtol=1e-5, atol=1e-6)
+        # The norm reads the mix it returns, rounded to the model's dtype: LlamaRMSNorm of it, bit for bit (in
+        # float32 the kernel's sum of squares may round 1 / rms to the neighbouring value), and the same normed
+        # output as a call that does not keep the mix.
+        if dtype != F32:
+            assert torch.equal(got.normed, rms_norm(got.mixed, norm_weight, NORM_EPS))
+        with torch.no_grad():
+            bare = cpu.fused_site_boundary(copy(bank), partial, output, proj, EPS, closes, norm_weight, NORM_EPS, dtype,
+                                           gain=gain)
+        assert torch.equal(bare.normed, got.normed)
 
 
 def test_what_a_boundary_returns():

@@ -21,7 +21,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 import modeling_attnres.depth_attention_triton as tri
-from modeling_attnres.depth_attention import DepthBank, empty_bank, fold_queries, mix_site, push_source
+from modeling_attnres.depth_attention import DepthBank, empty_bank, fold_queries, mix_site, push_source, rms_norm
 from modeling_attnres.depth_attention import site_boundary as reference_boundary
 from modeling_attnres.depth_attention_ops import site_backend, site_boundary
 from tests.oracle import naive_mix
@@ -107,6 +107,13 @@ def oracle(bank: DepthBank, partial: torch.Tensor, w: torch.Tensor, gain: torch.
     return mixed, probs.movedim(0, -1)
 
 
+def wider(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a view into rows twice as wide (a column slice): a row stride of 2 d, which a reshape keeps."""
+    rows = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    rows[..., : x.shape[-1]] = x
+    return rows[..., : x.shape[-1]]
+
+
 def all_jobs() -> dict:
     """Every kernel call the worker makes, by name: the inputs and the arguments."""
     jobs = {}
@@ -125,6 +132,12 @@ def all_jobs() -> dict:
     bank, partial, w, g = make_case(4, (6, 2), 32, F32, F32, seed=50)
     jobs["strided"] = dict(kind="mix", bank=bank, partial=partial.transpose(0, 1).contiguous().transpose(0, 1),
                            dtype=F32, keep=True, query=(w * g * 1e3).float(), gain=None)   # large scores too
+    bank, partial, w, g = make_case(3, (6,), 33, F32, F32, seed=55)
+    jobs["sliced"] = dict(kind="mix", bank=bank, partial=wider(partial), dtype=F32, keep=True, query=w.float(),
+                          gain=g.float())
+    bank, partial, output, w, gain, norm_weight = make_boundary(F32, F32, 3, 33, "add", seed=56)
+    jobs["boundary_sliced"] = dict(kind="boundary", bank=bank, partial=wider(partial), output=wider(output), proj=w,
+                                   gain=gain, norm_weight=norm_weight, dtype=F32, closes=False, keep=True)
     for i, (bank_dtype, part_dtype, n, d) in enumerate(PUSH_CASES):
         bank, partial, _, _ = make_case(n, (2, 3), d, bank_dtype, part_dtype, seed=60 + i)
         jobs[f"push{i}"] = dict(kind="push", bank=bank, partial=partial)
@@ -287,6 +300,28 @@ def test_mix_in_every_dtype_matches_the_oracle_and_the_torch_path(ran, i):
         torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
+def test_rows_of_another_stride_are_read_where_they_are(ran):
+    """A partial (and a sublayer output) that is a column slice of wider rows: the kernels take its row stride."""
+    jobs, results = ran
+    job = jobs["sliced"]
+    assert job["partial"].stride(0) == 2 * job["partial"].shape[-1]
+    out, weights = results["sliced"]
+    with torch.no_grad():
+        ref, ref_weights = mix_site(job["bank"], job["partial"], fold_queries(job["query"][None], job["gain"][None])[0],
+                                    EPS, F32, keep_weights=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    job = jobs["boundary_sliced"]
+    got, _ = results["boundary_sliced"]
+    with torch.no_grad():
+        query = fold_queries(job["proj"], job["gain"][None])[0]
+        ref = reference_boundary(job["bank"], job["partial"], job["output"], query, EPS, False, job["norm_weight"],
+                                 EPS, F32, keep_weights=True, keep_mixed=True)
+    assert torch.equal(got.partial, ref.partial)
+    torch.testing.assert_close(got.normed, ref.normed, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.mixed, ref.mixed, rtol=1e-5, atol=3e-5)
+
+
 def test_strided_inputs_and_large_scores(ran):
     jobs, results = ran
     job = jobs["strided"]
@@ -416,6 +451,8 @@ def test_the_boundary_kernel_matches_the_reference_and_the_oracle(ran, i):
     torch.testing.assert_close(got.normed.double(), ref.normed.double(), rtol=2 * ulp + 1e-6, atol=1e-4)
     if not job["keep"]:
         return
+    if dtype in (BF16, F16):     # the norm reads the mix rounded to the model's dtype: LlamaRMSNorm of it, exactly
+        assert torch.equal(got.normed, rms_norm(got.mixed, job["norm_weight"], EPS))
     torch.testing.assert_close(got.mixed.double(), ref.mixed.double(), rtol=ulp + 1e-6, atol=3e-5)
     torch.testing.assert_close(got.weights, ref.weights, rtol=1e-5, atol=1e-6)
     if dtype == F64:
