@@ -353,8 +353,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         folder (and a `push_to_hub` of it) loads with `trust_remote_code=True` for AutoConfig, AutoModel,
         AutoModelForCausalLM and the task heads' Auto classes where this package is not installed. An
         installed `modeling_attnres` still takes precedence when it is."""
-        for base in (module for module in self.modules() if isinstance(module, AttnResModel)):
-            check_schedule_as_built(self.config, base.built_sublayers_per_block)
+        check_schedule_as_built(self.config, self.base_model.built_sublayers_per_block)
         self.config.auto_map = dict(AUTO_MAP)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
