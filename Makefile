@@ -52,10 +52,11 @@ BENCH_REAL ?= --smollm2
 # batches 1-256, and 1-8 at a 4k context); make serve's compilation; 12 pairs over both build orders.
 BENCH_VLLM ?= --dtype bfloat16 --compile dynamo --prefill-tokens 1024 --decode-batches 1 32 --long-decode-batches 1 \
     --long-context 1024 --new-tokens 32 --kv-cache-bytes 1073741824
-# `make bench` takes about 100 minutes on 2 idle cores (measured step by step: about 12 for the first
-# line, 25 for the second, 12 for the third, up to 30 for the fourth (three servers, one untimed and six timed
-# rounds), 10 for the fifth, 5 for the sixth, 1 for the seventh, 4 for the last); a first run adds the
-# build of the SmolLM2 pair (about 4 minutes). Every table names its settings.
+# `make bench` takes about 125 minutes on 2 idle cores (measured step by step: about 12 for the first
+# line, 25 for the second, 12 for the third, 10 for the fifth, 5 for the sixth, 1 for the seventh, 4 for the
+# last; the fourth took up to 30 with three servers, one untimed and six timed rounds, and now starts them
+# in both orders, each with one untimed and six timed rounds: about 55, estimated from that run); a first
+# run adds the build of the SmolLM2 pair (about 4 minutes). Every table names its settings.
 
 bench: install
 	$(PY) bench/bench_transformers.py $(BENCH_REAL) --accuracy --dtypes bfloat16 --modes eager torch-path \

@@ -8,18 +8,21 @@ the same-weights Llama, both served by `attnres-serve` with identical flags, wit
 
 For each compilation, three servers are started one after the other and stay up: AttnRes, Llama, and a
 second Llama on the same checkpoint (the A/A control), each with `attnres.serving.launcher.ServerProcess`
-(an idle vLLM server takes no CPU to speak of, and only one server has requests at a time). Then, in each
-of `--repeats` rounds and at every `--concurrency` level, `vllm bench serve` (vLLM's client: the
-random dataset with fixed input and output lengths, EOS ignored, requests sent at once and held to the
-concurrency level; called in this process, its output to a log file, so that vLLM is imported once rather
-than for every run) measures the three servers one after the other, `--settle` seconds apart, in a
-rotating order (`common.rotation`: each runs first equally often), with that round's prompts (`--seed` plus
-the round: fresh prompts every round, the same for the three servers). A first round, not timed, warms
-every server up at every level.
-Each round gives one AttnRes/Llama ratio and one A/A ratio (the second Llama over the first) per metric,
-measured seconds apart rather than a server start apart (the machine's speed drifts by 10-20 % over
-minutes, and the ratios between servers measured minutes apart moved by 5-23 %). Every run must complete
-all its requests with the same input and output token counts as the other two servers of its round.
+(an idle vLLM server takes no CPU to speak of, and only one server has requests at a time). They are started
+twice (`--start-order both`, the default), in one order and then, after the first three are stopped, in the
+reverse one, each start order measuring half of the rounds with its own prompts: which server starts first
+decides where its memory lands, and in `bench_vllm.py` the build order moved a ratio by a few %. Then, in
+each of `--repeats` rounds and at every `--concurrency` level, `vllm bench serve` (vLLM's client: the random
+dataset with fixed input and output lengths, EOS ignored, requests sent at once and held to the concurrency
+level; called in this process, its output to a log file, so that vLLM is imported once rather than for every
+run) measures the three servers one after the other, `--settle` seconds apart, in a rotating order
+(`common.rotation`: each runs first equally often), with that round's prompts (`--seed` plus the round, plus
+1000 in the second start order: fresh prompts every round, the same for the three servers). A first round,
+not timed, warms every server up at every level. Each round gives one AttnRes/Llama ratio and one A/A ratio
+(the second Llama over the first) per metric, measured seconds apart rather than a server start apart (the
+machine's speed drifts by 10-20 % over minutes, and the ratios between servers measured minutes apart moved
+by 5-23 %). Every run must complete all its requests with the same input and output token counts as the
+other two servers of its round.
 
 `--norms vllm-c` runs every server's vLLM RMSNorm layers on vLLM's C++ kernels, as `bench_vllm.py --norms
 vllm-c` does for its engines: without Inductor (`serve`, `eager`) vLLM's Llama runs each residual add and
@@ -70,6 +73,7 @@ COMPILATIONS = {"serve": ["--compilation-config", '{"mode": 2, "backend": "eager
 COMPILATION_NAMES = {"serve": 'make serve\'s ({"mode": 2, "backend": "eager"})',
                      "full": "vLLM's default (Inductor)", "eager": "none (--enforce-eager)"}
 RUNNERS = {"attnres": "attnres", "llama": "llama", "llama-aa": "llama"}   # server -> checkpoint
+START_ORDERS = {"forward": list(RUNNERS), "reverse": list(RUNNERS)[::-1]}
 METRICS = {"duration": "duration", "TTFT": "median_ttft_ms", "TPOT": "median_tpot_ms"}   # times: lower is better
 SERVED_NAME = "bench"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -189,41 +193,58 @@ def client(args, server, tokenizer: Path, concurrency: int, seed: int, out_dir: 
     return data
 
 
-def start_servers(args, paths: dict[str, Path], compilation: str, out_dir: Path, stack: ExitStack) -> dict:
-    """The three servers of one compilation, each started alone on the cores and left up (`stack` stops them)."""
+def start_plans(args) -> list[dict]:
+    """Per start order of `--start-order`: the servers' start order, its timed rounds (`--repeats` split
+    between the orders, the first getting the odd one) and the seed its prompts start from (round r of the
+    i-th order uses `--seed` + 1000 i + r: fresh prompts in every round of either order)."""
+    labels = list(START_ORDERS) if args.start_order == "both" else [args.start_order]
+    per_order = [args.repeats // len(labels) + (i < args.repeats % len(labels)) for i in range(len(labels))]
+    return [{"label": label, "order": START_ORDERS[label], "repeats": n, "seed": args.seed + 1000 * i}
+            for i, (label, n) in enumerate(zip(labels, per_order)) if n]
+
+
+def start_servers(args, paths: dict[str, Path], compilation: str, order: list[str], out_dir: Path,
+                  stack: ExitStack) -> dict:
+    """The three servers of one compilation, started one at a time in `order`, each alone on the cores, and
+    left up (`stack` stops them)."""
     from attnres.serving.launcher import ServerProcess
 
     env = norms_plugin(out_dir) if args.norms == "vllm-c" else None
     servers = {}
-    for name, checkpoint in RUNNERS.items():
-        log = out_dir / f"{compilation}-{name}.server.log"
+    for name in order:
+        checkpoint = RUNNERS[name]
+        log = out_dir / f"{compilation}-{order[0]}-first-{name}.server.log"
         server = ServerProcess(server_args(args, paths[checkpoint], compilation), env=env,
                                startup_timeout=args.startup_timeout, log_path=log)
         servers[name] = stack.enter_context(server)
     return servers
 
 
-def measure(args, servers: dict, paths: dict[str, Path], compilation: str, out_dir: Path) -> tuple[dict, list]:
-    """Per concurrency level, one `{server: result}` per timed round (round 0, the warm-up, is dropped), and
-    the order the servers ran in, per round."""
+def measure(args, servers: dict, paths: dict[str, Path], compilation: str, plan: dict,
+            out_dir: Path) -> tuple[dict, list]:
+    """For the servers of one start order (`plan`, from `start_plans`): per concurrency level, one
+    `{server: result}` per timed round (round 0, the warm-up, is dropped), and the order the servers ran
+    in, per round."""
     rounds, orders = {c: [] for c in args.concurrency}, []
-    for repeat in range(args.repeats + 1):
+    for repeat in range(plan["repeats"] + 1):
         orders.append(rotation(list(RUNNERS), repeat))
         for c in args.concurrency:
             results = {}
             for name in orders[-1]:
-                results[name] = client(args, servers[name], paths[RUNNERS[name]], c, args.seed + repeat, out_dir,
-                                       f"{compilation}-r{repeat}-c{c}-{name}")
+                results[name] = client(args, servers[name], paths[RUNNERS[name]], c, plan["seed"] + repeat, out_dir,
+                                       f"{compilation}-{plan['label']}-r{repeat}-c{c}-{name}")
             check_equal_work({n: (r["total_input_tokens"], r["total_output_tokens"]) for n, r in results.items()},
-                             f"{compilation}, round {repeat}, concurrency {c}")
+                             f"{compilation}, {plan['label']} start order, round {repeat}, concurrency {c}")
             if repeat:
                 rounds[c].append(results)
     return rounds, orders
 
 
 def order_note(args) -> str:
-    """Whether the rounds balance the running order, and a warning below 10 pairs."""
-    note = "balanced" if balanced(args.repeats, 3) else "not a multiple of 6: unbalanced"
+    """Whether each start order's rounds balance the running order, and a warning below 10 pairs."""
+    plans = start_plans(args)
+    note = "balanced" if all(balanced(p["repeats"], 3) for p in plans) else \
+        f"not a multiple of {6 * len(plans)}: unbalanced"
     return note + ("" if args.repeats >= 10 else "; fewer than 10 pairs: a ratio within a few % of 1 is not resolved")
 
 
@@ -257,7 +278,11 @@ def parse_args(argv=None):
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="round r's prompts come from seed + r")
     parser.add_argument("--repeats", type=int, default=12,
-                        help="timed rounds (after one untimed round); a multiple of 6 balances the running order")
+                        help="timed rounds in all, split between the start orders (each after one untimed round); "
+                             "6 per start order balance the running order")
+    parser.add_argument("--start-order", choices=("both", *START_ORDERS), default="both",
+                        help="forward: AttnRes, Llama, Llama (A/A); reverse: the opposite; both: forward for half "
+                             "the rounds, then the servers restarted in reverse for the other half")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--kv-cache-bytes", type=int, help="--kv-cache-memory-bytes (default: attnres-serve's)")
     parser.add_argument("--norms", choices=list(NORMS), default="vllm-default",
@@ -282,11 +307,15 @@ def main(argv=None) -> None:
         args.max_positions = args.input_len + args.output_len + 16
         paths = write_models(args, root)
         for compilation in args.compilations:
-            with ExitStack() as stack:
-                servers = start_servers(args, paths, compilation, root, stack)
-                startups[compilation] = [server.startup_seconds for server in servers.values()]
-                rounds, orders[compilation] = measure(args, servers, paths, compilation, root)
-                rows += rows_for(args, compilation, rounds)
+            pooled = {c: [] for c in args.concurrency}
+            for plan in start_plans(args):
+                with ExitStack() as stack:
+                    servers = start_servers(args, paths, compilation, plan["order"], root, stack)
+                    startups[compilation, plan["label"]] = {n: s.startup_seconds for n, s in servers.items()}
+                    rounds, orders[compilation, plan["label"]] = measure(args, servers, paths, compilation, plan, root)
+                for c, results in rounds.items():
+                    pooled[c] += results
+            rows += rows_for(args, compilation, pooled)
     settings = {"server": f"attnres-serve CHECKPOINT {' '.join(common_flags(args))} and the compilation of the row",
                 "client": f"vllm bench serve (in this process), random dataset, {args.input_len} in / "
                           f"{args.output_len} out, "
@@ -294,18 +323,23 @@ def main(argv=None) -> None:
                           f"{args.num_prompts} prompts, --seed {args.seed} + the round, warm-up requests as many as "
                           "clients",
                 "norms": NORMS[args.norms],
-                "order": f"AttnRes, Llama, Llama (A/A) servers up together; {args.repeats} timed rounds after one "
-                         f"untimed, the three measured one after the other in a rotating order ({order_note(args)}), "
-                         f"{args.settle:g} s apart"}
+                "order": "AttnRes, Llama, Llama (A/A) servers up together, started in "
+                         + " order, then restarted in ".join(f"{p['label']} ({', '.join(p['order'])})"
+                                                             for p in start_plans(args))
+                         + f" order; {args.repeats} timed rounds in all ("
+                         + ", ".join(f"{p['repeats']} {p['label']}" for p in start_plans(args))
+                         + "), each start order's after one untimed, the three measured one after the other in a "
+                         f"rotating order ({order_note(args)}), {args.settle:g} s apart"}
     print(header(f"attnres-serve under vLLM's client, AttnRes / Llama: {describe(args)}", settings) + "\n")
     print(markdown_table(["compilation", "clients", "requests x tokens in / out (checked equal)", "AttnRes tok/s",
                           "Llama tok/s", *(f"{m}: {side}" for m in ("duration", "median TTFT", "median TPOT")
                                            for side in ("AttnRes / Llama (median, min-max)", "A/A")), "rounds"], rows))
-    print("\nserver start-up to healthy, AttnRes, Llama, Llama (A/A): " + "; ".join(
-        f"{COMPILATION_NAMES[c]}: " + ", ".join(f"{s:.0f} s" for s in v) for c, v in startups.items()))
+    print("\nserver start-up to healthy, in start order: " + "; ".join(
+        f"{COMPILATION_NAMES[c]}, {label}: " + ", ".join(f"{n} {s:.0f} s" for n, s in v.items())
+        for (c, label), v in startups.items()))
     print("running order by round (round 0 untimed): " + "; ".join(
-        f"{COMPILATION_NAMES[c]}: " + ", ".join(f"{i}: {' '.join(o)}" for i, o in enumerate(v))
-        for c, v in orders.items()))
+        f"{COMPILATION_NAMES[c]}, {label} start order: " + ", ".join(f"{i}: {' '.join(o)}" for i, o in enumerate(v))
+        for (c, label), v in orders.items()))
     print(footer())
     silence_stderr_at_exit()
 

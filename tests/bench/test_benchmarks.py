@@ -383,23 +383,49 @@ def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with
     fails does not start)."""
     out = run("bench_serve.py", *TINY, "--compilations", "eager", "--concurrency", "2", "--num-prompts", "2",
               "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
-              "--repeats", "1", "--norms", "vllm-c", "--settle", "0.5", timeout=840)
-    assert_header(out, "--no-enable-prefix-caching", "vllm bench serve (in this process)", "servers up together",
-                  "1 timed rounds after one untimed", "rotating order (not a multiple of 6: unbalanced; fewer than 10 "
-                  "pairs: a ratio within a few % of 1 is not resolved), 0.5 s apart", "vLLM's C++ rms_norm")
+              "--repeats", "1", "--start-order", "reverse", "--norms", "vllm-c", "--settle", "0.5", timeout=840)
+    assert_header(out, "--no-enable-prefix-caching", "vllm bench serve (in this process)",
+                  "servers up together, started in reverse (llama-aa, llama, attnres) order; 1 timed rounds in all "
+                  "(1 reverse), each start order's after one untimed", "rotating order (not a multiple of 6: "
+                  "unbalanced; fewer than 10 pairs: a ratio within a few % of 1 is not resolved), 0.5 s apart",
+                  "vLLM's C++ rms_norm")
     (rows,) = tables(out)
     (row,) = rows
     assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 4", row
     assert row["rounds"] == "1", row
     for name in ("duration", "median TTFT", "median TPOT"):
         spread(row[f"{name}: AttnRes / Llama (median, min-max)"]), spread(row[f"{name}: A/A"])
-    assert re.search(r"AttnRes, Llama, Llama \(A/A\): none \(--enforce-eager\): \d+ s, \d+ s, \d+ s", out), out
+    assert re.search(r"start-up to healthy, in start order: none \(--enforce-eager\), reverse: llama-aa \d+ s, "
+                     r"llama \d+ s, attnres \d+ s$", out, re.M), out
     # the order the clients ran in: every server in every round, a different one first in round 1
-    order = re.search(r"running order by round \(round 0 untimed\): none \(--enforce-eager\): 0: (.+), 1: (.+)$",
-                      out, re.M)
+    order = re.search(r"running order by round \(round 0 untimed\): none \(--enforce-eager\), reverse start order: "
+                      r"0: (.+), 1: (.+)$", out, re.M)
     assert order, out
     first, second = order.group(1).split(), order.group(2).split()
     assert sorted(first) == sorted(second) == ["attnres", "llama", "llama-aa"] and first[0] != second[0], order
+
+
+@pytest.mark.timeout(60)
+def test_bench_serve_splits_the_rounds_between_both_start_orders_with_fresh_prompts():
+    """By default the three servers are started in one order for half the rounds, then restarted in the
+    reverse order for the other half; no round of either order reuses another's prompts."""
+    import bench_serve
+
+    def plans(*argv: str) -> list[tuple[str, list[str], int]]:
+        args = bench_serve.parse_args(["--hidden-size", "64", *argv])
+        found = bench_serve.start_plans(args)
+        seeds = [p["seed"] + r for p in found for r in range(p["repeats"] + 1)]
+        assert len(set(seeds)) == len(seeds), found
+        return [(p["label"], p["order"], p["repeats"]) for p in found]
+
+    forward, reverse = ["attnres", "llama", "llama-aa"], ["llama-aa", "llama", "attnres"]
+    assert plans() == [("forward", forward, 6), ("reverse", reverse, 6)]
+    assert plans("--repeats", "13") == [("forward", forward, 7), ("reverse", reverse, 6)]
+    assert plans("--repeats", "1") == [("forward", forward, 1)]
+    assert plans("--start-order", "reverse", "--repeats", "4") == [("reverse", reverse, 4)]
+    assert bench_serve.order_note(bench_serve.parse_args(["--hidden-size", "64"])).startswith("balanced")
+    assert bench_serve.order_note(bench_serve.parse_args(["--hidden-size", "64", "--repeats", "6"])).startswith(
+        "not a multiple of 12: unbalanced")
 
 
 @pytest.mark.timeout(660)
