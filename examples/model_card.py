@@ -86,6 +86,19 @@ def limitations_text(m: dict) -> str:
             "plausible-looking but mostly meaningless Python.")
 
 
+# The folder `make train` writes, which the package ships (`attnres.models`): users of the wheel have no
+# checkout, so its card finds the folder through the package rather than by a path in the repository.
+SHIPPED_FOLDER = Path(__file__).resolve().parents[1] / "models" / "attnres-tiny"
+
+
+def use_path_lines(out: str) -> str:
+    """The card's lines that name the model folder: the package's copy for the shipped model, else `out`."""
+    if Path(out).resolve() == SHIPPED_FOLDER:
+        return ("from attnres.models import shipped_model_path\n\n"
+                "path = shipped_model_path()  # this folder, as installed with the attnres package")
+    return f"path = {str(out)!r}"
+
+
 def card_text(model, args, m: dict, defaults: dict) -> str:
     """The model card: what it is, how it was trained, what it measures, how to use it."""
     cfg = model.config
@@ -144,8 +157,9 @@ when `sha256(relative path) % 100 < {args.validation_percent}`. Reproduce with:
 import modeling_attnres  # registers the architecture (or pass trust_remote_code=True)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tok = AutoTokenizer.from_pretrained("{args.out}")
-model = AutoModelForCausalLM.from_pretrained("{args.out}")
+{use_path_lines(args.out)}
+tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path)
 ids = tok("class Reader:\\n    def __init__(self", return_tensors="pt").input_ids
 print(tok.decode(model.generate(ids, max_new_tokens=64)[0]))
 ```

@@ -2,7 +2,9 @@
 
 import json
 import math
+import os
 import re
+import sys
 
 import attnres_data
 import pytest
@@ -11,6 +13,7 @@ from model_card import HELDOUT_FILE
 
 from modeling_attnres import AttnResForCausalLM
 from tests.examples.conftest import SHIPPED_MODEL
+from tests.support.processes import run_bounded
 
 PYTHON_MARKERS = ("def ", "import ", "self", "return", "class ", " = ", "if ", "for ", "None")
 
@@ -86,3 +89,20 @@ def test_shipped_remote_code_is_the_current_modeling_code():
     for name in REMOTE_CODE_FILES:
         assert (SHIPPED_MODEL / name).read_text() == (package / name).read_text(), (
             f"{SHIPPED_MODEL / name} is stale: copy it from {package / name} (or re-run save_pretrained)")
+
+
+def card_snippet(folder) -> str:
+    """The Python code block of the card's `## Use` section."""
+    use = (folder / "README.md").read_text().split("## Use", 1)[1]
+    return use.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_cards_use_snippet_runs_outside_the_checkout(tmp_path):
+    """A user of the wheel has no `models/` folder: the card's snippet finds the shipped copy through the
+    package, from any folder, and completes the code."""
+    snippet = card_snippet(SHIPPED_MODEL)
+    done = run_bounded([sys.executable, "-c", snippet], timeout=100, cwd=tmp_path,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.startswith("class Reader:\n    def __init__(self") and len(done.stdout) > 60, done.stdout

@@ -106,6 +106,7 @@ def test_the_model_card_describes_this_run(tiny_corpus, tmp_path):
     params = sum(p.numel() for p in model.parameters())
     split = sum(len(text) for text in train.data.read_texts(tiny_corpus, 20)["train"])   # characters >= tokens
     assert f"Limitations: {params / 1e6:.2f}M parameters and " in card
+    assert f"path = {str(tmp_path / 'out')!r}\n" in card and "shipped_model_path" not in card     # this run's folder
     epochs = float(card.split("Limitations: ")[1].split(" and ")[1].split(" epochs")[0])
     assert 4 * 4 * 32 / split <= epochs <= 4 * 4 * 32 / (split / 8)     # 4 steps of 4 x 32 tokens
 
