@@ -4,11 +4,20 @@ pairs the ratios come from, token counts that were checked equal, and headers th
 the versions and every setting. Timings are never asserted: they depend on the machine.
 """
 
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
 import math
 import os
 import re
+import statistics
 import sys
+import time
+import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -585,3 +594,315 @@ def test_gpu_run_sh_dry_run_writes_one_table_per_step_and_names_what_failed(tmp_
         for name in ("AttnRes / Llama", "A/A: Llama (A/A) / Llama"):
             _, low, high = spread(column(row, name))
             assert sorted(spread(column(r, name))[0] for r in mine) == pytest.approx([low, high], abs=1.5e-3), row
+
+
+# -- the rules and tables, unit by unit (what the end-to-end runs cannot tell apart) --------------------------
+
+
+def test_alternate_warms_up_rotates_and_pairs_each_repeats_own_seconds():
+    """`alternate` (bench_boundary.py's and bench_depth.py's timing): one untimed call of each runner, then the
+    rotating order of `rotation`; `paired` gets each repeat's own seconds (the pairs the ratios come from) and
+    the result is each runner's median (one preempted call must not move it, as it moves a mean)."""
+    calls, seconds = [], {"a": iter([99.0, 1.0, 2.0, 3.0, 10.0]), "b": iter([99.0, 5.0, 6.0, 7.0, 8.0])}
+
+    def runner(name):
+        def run():
+            calls.append(name)
+            return next(seconds[name])
+        return run
+
+    paired: list = []
+    medians = common.alternate({"a": runner("a"), "b": runner("b")}, repeats=4, paired=paired)
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "b", "a", "a", "b"]             # warm-up, then A B B A
+    assert paired == [{"a": 1.0, "b": 5.0}, {"a": 2.0, "b": 6.0}, {"a": 3.0, "b": 7.0}, {"a": 10.0, "b": 8.0}]
+    assert medians == {"a": 2.5, "b": 6.5}
+
+
+def test_rotate_runs_counts_the_cpu_time_of_timed_calls_apart_from_their_wall_time():
+    """The "CPU share of the timing" line: `TIMED` adds each timed call's wall and process CPU seconds apart,
+    so a call that waits (as one held off the cores by another job does) shows a share well below 100 %."""
+    before = dict(common.TIMED)
+    common.rotate_runs({"a": lambda _: time.sleep(0.05), "b": lambda _: time.sleep(0.05)}, lambda r: r, 2,
+                       warmup=False)
+    wall, cpu = (common.TIMED[k] - before[k] for k in ("wall", "cpu"))
+    assert wall >= 4 * 0.05 and cpu < wall / 2, (wall, cpu)
+
+
+def test_header_prints_the_whole_command_the_start_date_and_every_setting(monkeypatch):
+    """A table's header gives the command as it was run (the variables that change what it measures, the
+    script and every argument), the date the process started and each setting with its value."""
+    monkeypatch.setattr(sys, "argv", ["bench/bench_x.py", "--repeats", "6", "--label", "a b"])
+    shown = {"OMP_NUM_THREADS": "3", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    for name, value in {**shown, "UNRELATED_VARIABLE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    lines = dict(line.split(": ", 1) for line in common.header("title", {"dtype": "bfloat16", "repeats": 6})
+                 .splitlines()[1:])
+    command = lines["command"]
+    assert command.endswith(" bench/bench_x.py --repeats 6 --label 'a b'"), command
+    assert all(f"{k}={v}" in command.split() for k, v in shown.items()) and "UNRELATED" not in command, command
+    assert datetime.datetime.fromisoformat(lines["date"]).tzinfo is not None, lines["date"]
+    assert lines["settings"] == "dtype bfloat16; repeats 6"
+
+
+# Seconds of (subject, baseline, control) in three pairs, two of one build order and one of the other; their
+# ratios 1.5, 1.6, 2.0 (median 1.6) and A/A 1.1, 1.1, 0.9 (median 1.1).
+PAIRS = [(3.0, 2.0, 2.2), (6.4, 4.0, 4.4), (10.0, 5.0, 4.5)]
+RATIO, AA = "**1.600** (1.500-2.000)", "**1.100** (0.900-1.100)"
+
+
+def test_bench_transformers_rows_put_each_model_in_its_column_and_the_aa_over_the_baseline():
+    import bench_transformers
+
+    def timed(pairs):
+        return [{"workload": "w", "dtype": "float32", "mode": "eager",
+                 "runs": [dict(zip(bench_transformers.MODELS, (s / 1e3 for s in p))) for p in pairs]}]
+
+    results = [{"label": "forward", "timed": timed(PAIRS[:2])}, {"label": "reverse", "timed": timed(PAIRS[2:])}]
+    assert bench_transformers.timing_rows(results) == [
+        ["w", "float32", "eager", "6.4", "4.0", "4.4", RATIO, AA, "forward: 1.550 / 1.100; reverse: 2.000 / 0.900", 3]]
+
+
+def test_bench_transformers_gives_each_build_order_its_own_process_repeats_and_prompts(monkeypatch):
+    """`--build-order both`: a fresh process per order, each with half the repeats and a seed of its own (the
+    pooled pairs must not be the same prompts twice)."""
+    import bench_transformers
+
+    cmds = []
+
+    def value(cmd: list[str], flag: str) -> str:                  # the last occurrence wins, as in argparse
+        return cmd[max(i for i, arg in enumerate(cmd) if arg == flag) + 1]
+
+    def fake_run_logged(cmd, log, timeout, env=None):
+        cmds.append(cmd)
+        Path(value(cmd, "--timing-out")).write_text(json.dumps({"label": value(cmd, "--build-order")}))
+        return 0
+
+    monkeypatch.setattr(bench_transformers, "run_logged", fake_run_logged)
+    results = bench_transformers.time_orders(bench_transformers.parse_args([*TINY, "--repeats", "6"]))
+    assert [r["label"] for r in results] == [value(c, "--build-order") for c in cmds] == ["forward", "reverse"]
+    assert [value(c, "--repeats") for c in cmds] == ["3", "3"]
+    assert len({value(c, "--seed") for c in cmds}) == 2, cmds
+
+
+class FakeGenerator:
+    """A model's `generate` that records what it was given (and whether `fused_add_norm` was on), and returns the
+    prompts with `max_new_tokens + extra` tokens."""
+
+    def __init__(self, name: str, log: list, extra: int = 0):
+        self.name, self.log, self.extra, self.fused = name, log, extra, False
+
+    def generate(self, ids, attention_mask=None, max_new_tokens=0, **kwargs):
+        self.log.append((self.name, ids.clone(), self.fused))
+        return torch.cat([ids, ids.new_zeros(ids.shape[0], max_new_tokens + self.extra)], dim=1)
+
+
+def test_bench_transformers_models_share_fresh_prompts_count_tokens_and_fuse_both_llamas(monkeypatch):
+    """`time_mode` as the table's rows rely on it: per workload a warm-up at the timed size, then each repeat's
+    fresh prompts shared by the three models; unequal token counts stop it; `fused-llama` fuses the Llama and
+    its A/A control alike, never AttnRes."""
+    import bench_transformers
+
+    monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
+    args = argparse.Namespace(prefill_tokens=6, prompt_tokens=3, new_tokens=2, decode_batches=[2], repeats=2, seed=0,
+                              vocab_size=50, device="cpu")
+    log: list = []
+    models = {kind: FakeGenerator(kind, log) for kind in bench_transformers.MODELS}
+    timed = bench_transformers.time_mode(args, models, "float32", "torch-path")
+    assert [(t["workload"], len(t["runs"])) for t in timed] == [("prefill 1x6", 2), ("decode 2x2 (prompt 3)", 2)]
+    assert len(log) == 2 * 3 * 3
+    for workload in range(2):
+        groups = [log[9 * workload + 3 * i: 9 * workload + 3 * i + 3] for i in range(3)]    # warm-up, repeats 0, 1
+        for group in groups:
+            assert sorted(name for name, _, _ in group) == sorted(bench_transformers.MODELS)
+            assert all(torch.equal(ids, group[0][1]) for _, ids, _ in group)           # shared by the three
+        prompts = [group[0][1] for group in groups]
+        assert all(p.shape == prompts[0].shape for p in prompts)                        # warm-up at the timed size
+        assert not any(torch.equal(a, b) for i, a in enumerate(prompts) for b in prompts[i + 1:])   # fresh
+
+    @contextlib.contextmanager
+    def fake_fused_add_norm(model, op):
+        model.fused = True
+        yield model
+        model.fused = False
+
+    monkeypatch.setattr(bench_transformers, "fused_add_norm", fake_fused_add_norm)
+    monkeypatch.setattr(bench_transformers, "fused_add_rms_norm_op", lambda: None)
+    log.clear()
+    bench_transformers.time_mode(args, models, "float32", "fused-llama")
+    assert {(name, fused) for name, _, fused in log} == {("attnres", False), ("llama", True), ("llama-2", True)}
+    assert not any(model.fused for model in models.values())
+    models["llama-2"].extra = 1
+    with pytest.raises(common.UnequalWork):
+        bench_transformers.time_mode(args, models, "float32", "torch-path")
+
+
+@pytest.mark.parametrize("compare", ["llama", "transformers-backend"])
+def test_bench_vllm_engines_have_prefix_caching_off_and_the_control_is_the_baseline_again(compare):
+    import bench_vllm
+
+    args = bench_vllm.parse_args([*TINY, "--compare", compare, "--compile", "eager"])
+    specs = bench_vllm.engine_specs(args, {"attnres": Path("/attnres"), "llama": Path("/llama")})
+    subject, baseline, control = bench_vllm.COMPARISONS[compare]
+    assert all(spec["kwargs"]["enable_prefix_caching"] is False for spec in specs.values()), specs
+    assert specs[control] == specs[baseline] and specs[subject]["path"] == "/attnres", specs
+    assert specs[baseline]["path"] == ("/llama" if compare == "llama" else "/attnres"), specs
+
+
+def test_bench_vllm_engines_share_fresh_prompts_warm_up_at_size_and_check_both_token_counts(monkeypatch):
+    """`run_engines` with a stand-in for vLLM's `LLM`: per repeat one set of fresh prompts for the three
+    engines, a warm-up with as many prompts as are timed, prompt and generated token counts compared, and a
+    decode timed from the last request's first token (the engine's timestamps) to the last token."""
+    import bench_vllm
+
+    log, extra = [], {}
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            self.name = model
+            config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=2, block_size=16),
+                                     scheduler_config=SimpleNamespace(max_num_batched_tokens=32))
+            self.llm_engine = SimpleNamespace(vllm_config=config)
+
+        def generate(self, prompts, params, use_tqdm=True):
+            ids = [p["prompt_token_ids"] for p in prompts]
+            log.append((self.name, ids))
+            new = params.max_tokens + extra.get(self.name, 0)
+            return [SimpleNamespace(prompt_token_ids=p, outputs=[SimpleNamespace(token_ids=[0] * new)],
+                                    metrics=SimpleNamespace(first_token_ts=10.0 + i, last_token_ts=20.0 + i))
+                    for i, p in enumerate(ids)]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = FakeLLM, SimpleNamespace
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    work = bench_vllm.Workload("decode", 2, 3, 2)
+    engines = ["attnres", "llama", "llama-2"]
+    plan = {"order": engines, "engines": {n: {"path": n, "kwargs": {}} for n in engines}, "max_model_len": 32,
+            "max_num_seqs": 2, "seed": 0, "vocab": 50, "repeats": 2, "label": "forward",
+            "workloads": [dataclasses.asdict(work)]}
+    result = bench_vllm.run_engines(plan)
+    groups = [log[3 * i: 3 * i + 3] for i in range(3)]                                # warm-up, repeats 0, 1
+    for group in groups:
+        assert sorted(name for name, _ in group) == engines and all(ids == group[0][1] for _, ids in group)
+        assert len(group[0][1]) == 2 and all(len(p) == 3 for p in group[0][1])
+    assert groups[0][0][1] != groups[1][0][1] != groups[2][0][1] != groups[0][0][1]
+    assert all(run[n]["seconds"] == 10.0 for run in result["workloads"][work.name] for n in engines)   # 21 - 11
+    extra["llama-2"] = 1
+    with pytest.raises(common.UnequalWork, match="repeat 0"):
+        bench_vllm.run_engines(plan)
+
+
+def test_bench_vllm_rows_put_each_engine_in_its_column_and_the_aa_over_the_baseline():
+    import bench_vllm
+
+    work = bench_vllm.Workload("decode", 2, 3, 2)
+
+    def runs(label, pairs):
+        return {"label": label, "workloads": {work.name: [
+            {n: {"seconds": s, "prompt_tokens": 6, "generated_tokens": 4} for n, s in zip(("attnres", "llama",
+                                                                                             "llama-2"), p)}
+            for p in pairs]}}
+
+    rows = bench_vllm.timing_rows(argparse.Namespace(compare="llama"), [runs("forward", PAIRS[:2]),
+                                                                        runs("reverse", PAIRS[2:])], [work])
+    assert rows == [[work.name, "decode phase", "6 / 4", "6.400", "4.000", "4.400", RATIO, AA,
+                     "forward: 1.550 / 1.100; reverse: 2.000 / 0.900", 3]]
+
+
+def test_bench_serve_rounds_share_fresh_prompts_leave_out_the_warm_up_and_put_the_aa_beside_the_ratio(monkeypatch):
+    """`measure` with a stand-in for vLLM's client: every round's prompts (its seed) are new and the same for
+    the three servers, round 0 (the warm-up) is not pooled, unequal token counts stop the run; `rows_for`
+    gives each metric's AttnRes / Llama ratio with the A/A (Llama (A/A) / Llama) beside it."""
+    import bench_serve
+
+    calls, bad = [], {}
+
+    def fake_client(args, server, tokenizer, concurrency, seed, out_dir, name):
+        calls.append((server, seed))
+        return {"seed": seed, "total_input_tokens": 8, "total_output_tokens": 4 + bad.get(server, 0)}
+
+    monkeypatch.setattr(bench_serve, "client", fake_client)
+    args = argparse.Namespace(concurrency=[1])
+    plan = {"label": "reverse", "order": bench_serve.START_ORDERS["reverse"], "repeats": 2, "seed": 1005}
+    servers, paths = {name: name for name in bench_serve.RUNNERS}, {"attnres": Path("a"), "llama": Path("l")}
+    rounds, orders = bench_serve.measure(args, servers, paths, "eager", plan, Path("unused"))
+    assert orders == [common.rotation(list(bench_serve.RUNNERS), r) for r in range(3)]
+    assert [seed for _, seed in calls] == [1005] * 3 + [1006] * 3 + [1007] * 3
+    assert [[r[name]["seed"] for name in servers] for r in rounds[1]] == [[1006] * 3, [1007] * 3]
+    bad["llama-aa"] = 1
+    with pytest.raises(common.UnequalWork, match="reverse start order, round 0"):
+        bench_serve.measure(args, servers, paths, "eager", plan, Path("unused"))
+
+    results = [{name: {**dict.fromkeys(bench_serve.METRICS.values(), s), "output_throughput": 1.0,
+                       "total_input_tokens": 8, "total_output_tokens": 4}
+                for name, s in zip(bench_serve.RUNNERS, p)} for p in PAIRS]
+    (row,) = bench_serve.rows_for(argparse.Namespace(num_prompts=2), "eager", {1: results})
+    assert row[2:] == ["2 x 4 / 2", "1.0", "1.0", RATIO, AA, RATIO, AA, RATIO, AA, 3], row
+    for compilation in bench_serve.COMPILATIONS:              # every server: the same flags, prefix caching off
+        flags = [bench_serve.server_args(bench_serve.parse_args(TINY), Path(p), compilation) for p in ("a", "l")]
+        assert flags[0][1:] == flags[1][1:] and "--no-enable-prefix-caching" in flags[0], flags
+
+
+def test_bench_boundary_row_gives_each_side_per_call_and_divides_both_ratios_by_llama(monkeypatch):
+    import bench_boundary
+
+    def fake_alternate(runs, repeats, warmup, paired):        # seconds per timed unit of 2 calls
+        paired += [dict(zip(runs, (2e-6 * s for s in p))) for p in PAIRS]
+        return {name: statistics.median(run[name] for run in paired) for name in runs}
+
+    monkeypatch.setattr(bench_boundary, "alternate", fake_alternate)
+    names = ("AttnRes", "Llama", "Llama (A/A)")
+    makers = {name: lambda: (lambda: None, torch.zeros(1)) for name in names}
+    row = bench_boundary.measure(argparse.Namespace(calls=2, repeats=3), names, makers, 4, 1, None)
+    assert row == [4, 1, "6.4", "4.0", "4.4", RATIO, AA, "600.0", 3]         # (6.4 - 4.0) us / 4 tokens
+
+
+def test_gpu_bench_models_rows_divide_each_attnres_backend_and_the_aa_by_llama(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "gpu"))
+    import bench_models
+
+    kinds = ("attnres-triton", "attnres-torch", "llama", "llama-2")
+    runs = [dict(zip(kinds, (s / 1e3 for s in (p[0], p[0] * 2, *p[1:])))) for p in PAIRS]
+    rows = bench_models.workload_rows("w", runs, dict.fromkeys(runs[0]))
+    assert rows == [["w", "triton", "6.4", "4.0", "4.4", RATIO, AA, 3],
+                    ["w", "torch", "12.8", "4.0", "4.4", "**3.200** (3.000-4.000)", AA, 3]]
+
+
+def test_profile_step_profiles_the_models_in_rotating_order_on_fresh_shared_prompts(monkeypatch, capsys):
+    import profile_step
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "enable_kernel_profile", False)        # main sets it: restored
+    models = {kind: SimpleNamespace(name=kind, config=SimpleNamespace(vocab_size=50)) for kind in profile_step.MODELS}
+    monkeypatch.setattr(profile_step, "build_models", lambda args, dtype: models)
+    monkeypatch.setattr(profile_step, "generate_fn", lambda model, mode, new, device: lambda ids: model.name)
+    profiled = []
+
+    def fake_profiled_step_ms(run, ids, steps):
+        profiled.append((run(ids), ids.clone()))
+        return dict.fromkeys((*profile_step.PARTS, profile_step.OUTSIDE, "whole call"), 1.0)
+
+    monkeypatch.setattr(profile_step, "profiled_step_ms", fake_profiled_step_ms)
+    profile_step.main([*TINY, "--repeats", "6"])
+    groups = [profiled[3 * r: 3 * r + 3] for r in range(6)]
+    assert [[kind for kind, _ in group] for group in groups] == [common.rotation(list(profile_step.MODELS), r)
+                                                                 for r in range(6)]
+    assert all(torch.equal(ids, group[0][1]) for group in groups for _, ids in group)
+    assert not torch.equal(groups[0][0][1], groups[1][0][1])
+    assert "| whole call | 1.000 | 1.000 | 1.000 | +0.000 | +0.000 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_llama_kernel_is_llamas_norm_bit_for_bit_where_the_sum_of_squares_is_exact(dtype):
+    """Where every order of summing the squares gives the same float32 sum (multiples of 1/16, a power-of-two
+    width), the kernel's output is `LlamaRMSNorm`'s exactly, its rounding of the normalised row to the dtype
+    before the gain included (a kernel without that rounding stays within assert_close's tolerances)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = ((torch.randint(-16, 17, (37, 128), generator=gen) / 16).to(dtype) for _ in range(2))
+    norm = LlamaRMSNorm(128, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(128, generator=gen) + 0.5)
+        expected = norm((residual.float() + x.float()).to(dtype))
+        fused_llama.fused_add_rms_norm_op()(x, residual, norm.weight, 1e-5)
+    assert torch.equal(x, expected), (x.float() - expected.float()).abs().max()
