@@ -53,7 +53,7 @@ BENCH_REAL ?= --smollm2
 BENCH_VLLM ?= --dtype bfloat16 --compile dynamo --prefill-tokens 1024 --decode-batches 1 32 --long-decode-batches 1 \
     --long-context 1024 --new-tokens 32 --kv-cache-bytes 1073741824
 # `make bench` takes about 125 minutes on 2 idle cores (measured step by step: about 12 for the first
-# line, 25 for the second, 12 for the third, 10 for the fifth, 5 for the sixth, 1 for the seventh, 4 for the
+# line, 25 for the second, 12 for the third, 10 for the fifth, 6 for the sixth, 1 for the seventh, 4 for the
 # last; the fourth took up to 30 with three servers, one untimed and six timed rounds, and now starts them
 # in both orders, each with one untimed and six timed rounds: about 55, estimated from that run); a first
 # run adds the build of the SmolLM2 pair (about 4 minutes). Every table names its settings.
@@ -67,7 +67,7 @@ bench: install
 		--input-len 128 --output-len 32
 	$(PY) bench/bench_transformers.py --repeats 6 --modes eager fused-llama
 	$(PY) bench/bench_depth.py --hidden-size 576 --num-hidden-layers 8 --block-size 4 --dtype bfloat16 \
-		--tokens 1 512 --modes eager cpu-kernel piecewise --repeats 3 --work 262144
+		--tokens 1 512 --modes eager cpu-kernel piecewise --repeats 12 --work 65536
 	$(PY) bench/bench_boundary.py --baseline vllm
 	$(PY) bench/profile_step.py
 

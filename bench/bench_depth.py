@@ -8,6 +8,7 @@ for the sites of `--num-hidden-layers` layers plus the output site:
 - `llama`: the residual stream (each site reads it, each sublayer output is added to it);
 - `per-site`: one `mix_site` pass over the bank per site, the bank preallocated for the forward pass
   and filled in place, its sources stored in the model's dtype (`attn_res_bank_dtype="auto"`);
+- `per-site (A/A)`: `per-site` again, the control: its ratio to `per-site` is the error bar of the others;
 - `cat-bank`: the same, the bank grown by `torch.cat` per stored block (undoes one lever);
 - `float32-bank`: the same, sources stored in float32 (undoes the other; equal for float32 inputs);
 - `two-phase`: the spec's alternative, written here (not in the models): when a block closes, score
@@ -20,9 +21,10 @@ transformers model); `compiled`, the whole pass as one graph (like transformers'
 `torch.compile(fullgraph=True)`); `piecewise`, each stretch between two attention ops compiled as its
 own graph (like vLLM); `compiled-kernel` / `piecewise-kernel`, the same with the kernel enabled, so
 the graphs call it as the custom op `attnres::mix_site` instead of generated code.
-All paths run in one process, alternating, several repeats; the table gives median milliseconds per
-forward, what AttnRes adds over the residual stream, and per lever the median and range of the
-paired per-repeat ratios (the machine's drift between repeats cancels in a pair).
+All paths run in one process, alternating in a rotating order (`common.rotation`; 12 repeats put each
+path first twice), after a warm-up; the table gives median milliseconds per forward, what AttnRes adds
+over the residual stream, and per lever the median and range of the paired per-repeat ratios (the
+machine's drift between repeats cancels in a pair), with the A/A control's beside them.
 """
 
 import argparse
@@ -36,7 +38,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_size_arguments, alternate, markdown_table  # noqa: E402
+from common import add_size_arguments, alternate, balanced, footer, header, markdown_table  # noqa: E402
 
 from modeling_attnres.depth_attention import (  # noqa: E402
     DepthBank,
@@ -127,8 +129,9 @@ def two_phase_step(state: tuple, site: int, outputs: torch.Tensor, queries: torc
 # grown by `torch.cat`) and its dtype choice (`AttnResConfig.attn_res_bank_dtype`). `per-site` is what
 # the models run; `cat-bank` and `float32-bank` each undo one lever.
 PATHS = {"llama": (llama_step, None, None), "per-site": (per_site_step, True, "auto"),
-         "cat-bank": (per_site_step, False, "auto"), "float32-bank": (per_site_step, True, "float32"),
-         "two-phase": (two_phase_step, True, "auto")}
+         "per-site (A/A)": (per_site_step, True, "auto"), "cat-bank": (per_site_step, False, "auto"),
+         "float32-bank": (per_site_step, True, "float32"), "two-phase": (two_phase_step, True, "auto")}
+LEVERS = ("per-site (A/A)", "cat-bank", "float32-bank", "two-phase")        # each over per-site
 
 
 def initial_state(name: str, embeds: torch.Tensor, queries: torch.Tensor, capacity: int) -> tuple:
@@ -216,7 +219,8 @@ def main(argv=None) -> None:
                                                         "compiled-kernel", "piecewise-kernel"),
                         default=["eager", "cpu-kernel", "compiled", "piecewise"])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=12,
+                        help="paired repeats; a multiple of 12 puts each of the 6 paths first equally often")
     parser.add_argument("--work", type=int, default=1 << 20, help="token x hidden elements per timed batch")
     args = parser.parse_args(argv)
     rows = []
@@ -226,14 +230,19 @@ def main(argv=None) -> None:
             t = {name: statistics.median(r[name] for r in runs) for name in PATHS}
             rows.append([mode, tokens, *(f"{t[name] * 1e3:.2f}" for name in PATHS),
                          f"{(t['per-site'] - t['llama']) * 1e3:.2f}",
-                         *(spread([r[name] / r["per-site"] for r in runs])
-                           for name in ("cat-bank", "float32-bank", "two-phase"))])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; hidden {args.hidden_size}, "
-          f"{args.num_hidden_layers} layers, {args.mode} (block size {args.block_size}), {args.dtype}; "
-          f"median of {args.repeats} alternating repeats, ms per forward; ratios: median (min-max) of the "
-          "paired per-repeat ratios to per-site (> 1: the lever pays)\n")
-    print(markdown_table(["mode", "tokens", *PATHS, "per-site extra over llama", "cat-bank / per-site",
-                          "float32-bank / per-site", "two-phase / per-site"], rows))
+                         *(spread([r[name] / r["per-site"] for r in runs]) for name in LEVERS)])
+    order = "balanced" if balanced(args.repeats, len(PATHS)) else f"not a multiple of {2 * len(PATHS)}: unbalanced"
+    settings = {"size": f"hidden {args.hidden_size}, {args.num_hidden_layers} layers, {args.mode} (block size "
+                        f"{args.block_size}), {args.dtype}; sublayers replaced by fixed random outputs",
+                "timing": f"{args.repeats} paired repeats after one warm-up, the paths in a rotating order "
+                          f"({order}{'' if args.repeats >= 10 else '; fewer than 10 pairs'}), each repeat "
+                          f"--work {args.work} token x hidden elements per path; ms: median per forward",
+                "ratios": "median (min-max) of the paired per-repeat ratios to per-site (> 1: the lever pays); "
+                          "per-site (A/A) / per-site is the control"}
+    print(header("The depth-attention work of a forward pass, path by path", settings) + "\n")
+    print(markdown_table(["mode", "tokens", *PATHS, "per-site extra over llama",
+                          *(f"{name} / per-site" for name in LEVERS)], rows))
+    print(footer())
 
 if __name__ == "__main__":
     main()

@@ -440,13 +440,21 @@ def test_bench_serve_splits_the_rounds_between_both_start_orders_with_fresh_prom
 @pytest.mark.timeout(660)
 def test_bench_depth_checks_every_path_against_mix_site_and_reports_each_lever():
     """The cat-bank and two-phase paths are compared with per-site `mix_site` inside the script before
-    they are timed; each row reports three paired ratios (one per lever)."""
+    they are timed; each row reports the paired ratios of the three levers and of the A/A control, under
+    the header every benchmark prints."""
     out = run("bench_depth.py", *TINY, "--num-hidden-layers", "2", "--tokens", "1", "5", "--modes", "eager",
               "cpu-kernel", "--repeats", "2", "--work", "1024", "--dtype", "bfloat16")
-    rows = [line for line in out.splitlines() if line.startswith(("| eager", "| cpu-kernel"))]
-    assert len(rows) == 4, out
-    found = [float(x) for x in re.findall(r"\*\*(\d+\.\d+)x\*\*", out)]
-    assert len(found) == 12 and all(r > 0 for r in found), out
+    assert_header(out, "hidden 128, 2 layers", "bfloat16", "2 paired repeats after one warm-up",
+                  "rotating order (not a multiple of 12: unbalanced; fewer than 10 pairs)", "--work 1024",
+                  "per-site (A/A) / per-site is the control")
+    (rows,) = tables(out)
+    assert [(r["mode"], r["tokens"]) for r in rows] == [("eager", "1"), ("eager", "5"), ("cpu-kernel", "1"),
+                                                        ("cpu-kernel", "5")], out
+    for row in rows:
+        for lever in ("per-site (A/A)", "cat-bank", "float32-bank", "two-phase"):
+            cell = row[f"{lever} / per-site"]
+            assert cell.endswith(")") and "x**" in cell, row
+            spread(cell.replace("x**", "**"))
 
 
 @pytest.mark.timeout(300)
