@@ -223,3 +223,74 @@ def test_an_older_transformers_is_named_before_a_missing_import(monkeypatch):
     spec = importlib.util.spec_from_file_location("attnres_version_probe", configuration_attnres.__file__)
     with pytest.raises(ImportError, match=r"AttnRes models need transformers >= 5\.16\.1, found 4\.57\.1; upgrade "):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(num_attention_heads=4, num_key_value_heads=3), "choose num_key_value_heads among the divisors of 4."),
+    (dict(attn_res_block_size=0), "attn_res_block_size = ceil(num_hidden_layers / 8) = 1 here"),   # 5 layers
+    (dict(num_hidden_layers=4097), "num_hidden_layers must be a positive integer up to 4096, got 4097"),
+])
+def test_an_invalid_value_is_refused_with_its_fix(overrides, fragment):
+    """The promise of docs/model.md: an invalid value fails with the field, the value and the fix (here the
+    fix's numbers, computed from the config: a count rounded the wrong way would tell users to set 0)."""
+    with pytest.raises(StrictDataclassClassValidationError) as err:
+        tiny_config(**overrides)
+    assert fragment in str(err.value)
+
+
+def test_the_largest_allowed_sizes_are_accepted():
+    """The bounds are inclusive: 4096 layers is the documented maximum, not one past it."""
+    config = tiny_config(num_hidden_layers=4096, attn_res_block_size=512)
+    assert config.num_hidden_layers == 4096 and len(config.depth_sites) == 2 * 4096 + 1
+
+
+def test_the_defaults_are_the_documented_ones():
+    """docs/model.md's table: a config written by hand, or a checkpoint's config.json that leaves a field out,
+    takes these values, so changing one silently changes what such a model computes or how it trains."""
+    config = AttnResConfig()
+    assert (config.attn_res_mode, config.attn_res_block_size, config.attn_res_bank_dtype, config.qk_norm) == (
+        "block", 2, "auto", False)
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob, config.decoder_sparse_step,
+            config.mlp_only_layers, config.shared_expert_intermediate_size, config.router_aux_loss_coef,
+            config.output_router_logits) == (0, 2, True, 1, [], 0, 0.001, False)
+    assert config.moe_intermediate_size == config.intermediate_size
+
+
+def test_a_config_saved_from_a_hub_copy_of_this_code_is_ours(tmp_path):
+    """A model loaded from the Hub with trust_remote_code and saved again has an auto_map that names the repository
+    (`user/repo--module.Class`): it is this package's code, not another implementation's."""
+    tiny_config().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["auto_map"] = {"AutoConfig": "someone/tiny-attnres--configuration_attnres.AttnResConfig",
+                        "AutoModelForCausalLM": "someone/tiny-attnres--modeling_attnres.AttnResForCausalLM"}
+    path.write_text(json.dumps(data))
+    assert AttnResConfig.from_pretrained(tmp_path).attn_res_block_size == 2
+
+
+def test_a_legacy_rope_scaling_config_loads_with_its_yarn_parameters(tmp_path):
+    """A hand-written config.json in the older Llama style (`rope_theta` and a yarn `rope_scaling` at the top level,
+    no depth-attention fields: the defaults) reads as this package's, its rope scaling kept."""
+    fields = {"model_type": "attnres", "architectures": ["AttnResForCausalLM"], "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 3,
+              "max_position_embeddings": 128, "rope_theta": 10000.0,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, AttnResConfig) and config.attn_res_block_size == 2
+    rope = config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"], rope["rope_theta"]) == (
+        "yarn", 4.0, 32, 10000.0)
+
+
+@pytest.mark.parametrize("field, value, cause", [
+    ("layer_types", 5, "TypeError: 'int' object is not iterable"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}, "KeyError: "),      # yarn without its factor
+])
+def test_a_field_that_breaks_transformers_parsing_is_one_value_error(field, value, cause):
+    """What transformers' own parsing raises on a malformed config.json (a TypeError, a KeyError) reaches the
+    user as one ValueError naming the cause and the fix, so that `except ValueError` catches every bad config."""
+    data = {**tiny_config().to_dict(), field: value}
+    with pytest.raises(ValueError, match="config.json cannot be read as an AttnResConfig") as err:
+        AttnResConfig.from_dict(data)
+    assert cause in str(err.value) and "compare it with a config written by save_pretrained" in str(err.value)

@@ -12,7 +12,7 @@ import modeling_attnres.depth_attention_cpu as cpu
 from modeling_attnres.depth_attention import empty_bank, fold_queries, mix_site, push_source
 from modeling_attnres.depth_attention_ops import site_bank, site_mix
 from tests.oracle import naive_forward, naive_mix
-from tests.support.models import tiny_model
+from tests.support.models import tiny_config, tiny_model
 
 EPS = 1e-6
 
@@ -189,6 +189,25 @@ def test_the_kernel_applies_only_to_cpu_inference():
         cpu.enable_cpu_kernel()
 
 
+def test_the_default_bank_is_the_models_dtype_where_the_kernel_reads_it():
+    """docs/model.md's `attn_res_bank_dtype="auto"`: a bfloat16 model's completed blocks are stored in bfloat16 where
+    a fused reader reads them (the kernel, or vLLM's ranks, which agree on it before any forward), in float32 on the
+    eager torch path on a CPU; `"float32"` always keeps float32."""
+    embeds = torch.zeros(1, 3, 32, dtype=torch.bfloat16)
+    auto, wide = tiny_config(), tiny_config(attn_res_bank_dtype="float32")
+    assert auto.attn_res_bank_dtype == "auto"
+    with torch.no_grad():
+        assert site_bank(embeds, auto).storage.dtype == torch.bfloat16                  # the kernel applies
+        assert site_bank(embeds, wide).storage.dtype == torch.float32
+        cpu.enable_cpu_kernel(False)
+        try:
+            assert site_bank(embeds, auto).storage.dtype == torch.float32               # the eager torch path
+            assert site_bank(embeds, auto, same_on_every_rank=True).storage.dtype == torch.bfloat16
+        finally:
+            cpu.enable_cpu_kernel()
+    assert site_bank(embeds, auto).storage.dtype == torch.float32                       # autograd: torch path
+
+
 @pytest.mark.parametrize("in_graphs", [False, True])
 def test_torch_compile_calls_the_kernel_as_a_custom_op_only_when_asked(in_graphs):
     """With `compiled=True` the site traces through `attnres::mix_site` and its fake implementation
@@ -332,7 +351,8 @@ def test_training_forward_keeps_the_torch_path_and_its_gradients():
 
 
 # Off first: those checks then run before anything in the process could have built or loaded the kernel.
-ENVIRONMENT_VALUES = {"0": (False, False), "off": (False, False), None: (True, False), "1": (True, False),
+ENVIRONMENT_VALUES = {"0": (False, False), "off": (False, False), "false": (False, False), " Off ": (False, False),
+                      None: (True, False), "1": (True, False),
                       "compiled": (True, True)}      # ATTNRES_CPU_KERNEL -> (on in eager, in compiled graphs)
 ENVIRONMENT_CHILD = """
 import importlib, json, os, sys

@@ -7,7 +7,7 @@ is zero and untrained, `use_cache=False` returns no cache, and ambiguous inputs 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from modeling_attnres import AttnResForCausalLM
 from modeling_attnres.modeling_attnres import CACHE_NAME
@@ -83,3 +83,45 @@ def test_empty_inputs_embeds_and_two_caches_are_refused_by_name():
     one, other = DynamicCache(config=model.config), DynamicCache(config=model.config)
     with pytest.raises(ValueError, match="Both cache and past_key_values were given, two different caches"):
         model(random_ids(), past_key_values=one, cache=other)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_output_attentions_returns_each_layers_attention_weights(qk_norm):
+    """As every transformers causal LM: one `[batch, heads, seq, seq]` tensor per layer (Llama's attention, or
+    Qwen3's with `qk_norm`), each row a causal distribution, through the LM head's output too."""
+    model = tiny_model(seed=6, qk_norm=qk_norm)
+    with torch.no_grad():
+        attentions = model(random_ids(), output_attentions=True).attentions
+    config = model.config
+    assert attentions is not None and len(attentions) == config.num_hidden_layers
+    for weights in attentions:
+        assert weights.shape == (2, config.num_attention_heads, 7, 7)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, config.num_attention_heads, 7))
+        assert torch.count_nonzero(weights.triu(1)) == 0                                # causal
+
+
+def test_the_configs_output_hidden_states_is_the_default():
+    """`config.output_hidden_states=True` returns the hidden states without the argument, as for Llama; the
+    argument still overrides it."""
+    model = tiny_model(seed=6)
+    model.config.output_hidden_states = True
+    with torch.no_grad():
+        assert len(model(random_ids()).hidden_states) == model.config.num_hidden_layers + 1
+        assert model(random_ids(), output_hidden_states=False).hidden_states is None
+
+
+def test_given_position_ids_are_the_ones_rotary_embeddings_use():
+    """Position ids passed in (packed sequences, a custom offset) reach the attention: with zero pseudo-queries and
+    eps = 0 the model is Llama, and stays Llama's twin under the same non-contiguous position ids."""
+    config = tiny_config(rms_norm_eps=0.0, num_hidden_layers=2, attn_res_block_size=1)
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(config).double().eval()
+    llama_config = LlamaConfig(**{k: v for k, v in config.to_dict().items() if k in LlamaConfig().to_dict()
+                                  and k not in ("model_type", "architectures", "auto_map")})
+    llama = LlamaForCausalLM(llama_config).double().eval()
+    llama.load_state_dict(model.state_dict(), strict=False)
+    ids, positions = random_ids(1, 6), torch.tensor([[0, 1, 2, 0, 1, 2]])           # two packed sequences
+    with torch.no_grad():
+        ours = model(ids, position_ids=positions).logits
+        torch.testing.assert_close(ours, llama(ids, position_ids=positions).logits, rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(ours, model(ids).logits, rtol=1e-4, atol=1e-4)

@@ -133,3 +133,17 @@ def test_a_truncated_weights_file_is_named_with_the_fix(tmp_path):
     message = rf"Cannot read the safetensors file {re.escape(str(weights))} \(.*\): it is truncated or corrupt; "
     with pytest.raises(ValueError, match=message + r"download or copy it again\."):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_keeps_transformers_options_of_its_own(tmp_path):
+    """The override hands on what transformers users pass: `output_loading_info=True` returns `(model, info)`,
+    and a `key_mapping` of their own renames checkpoint keys alongside the seed aliases."""
+    model = tiny_model(seed=34)
+    model.save_pretrained(tmp_path)
+    loaded, info = AttnResForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert isinstance(loaded, AttnResForCausalLM) and not info["missing_keys"] and not info["unexpected_keys"]
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["output.weight"] = weights.pop("lm_head.weight")                      # another tool's name
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    renamed = AttnResForCausalLM.from_pretrained(tmp_path, key_mapping={r"^output\.": "lm_head."})
+    assert torch.equal(renamed.lm_head.weight, model.lm_head.weight)

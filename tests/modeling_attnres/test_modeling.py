@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from modeling_attnres import AttnResForCausalLM, AttnResModel, depth_attention_cpu
+from modeling_attnres import AttnResConfig, AttnResForCausalLM, AttnResModel, depth_attention_cpu
 from tests.support.models import randomize_depth_parameters, tiny_config, tiny_model
 
 
@@ -579,3 +579,32 @@ def test_a_config_with_another_layer_count_is_refused_at_load(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="has 5 layers but its config.json says num_hidden_layers=4000"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_full_attnres_model_edited_to_blocks_names_its_own_schedule_on_save(tmp_path):
+    """The refusal names the schedule the model was built with, so that the user can restore it: here Full
+    AttnRes, not a block size. Editing only attn_res_block_size, which Full AttnRes never reads, changes nothing."""
+    model = tiny_model(seed=4, attn_res_mode="full", num_hidden_layers=3)
+    model.config.attn_res_mode = "block"
+    with pytest.raises(ValueError, match=r"attn_res_block_size=2 is not the depth-attention schedule this model was "
+                                         r"built with \(attn_res_mode='full'\)"):
+        model.save_pretrained(tmp_path / "out")
+    model.config.attn_res_mode, model.config.attn_res_block_size = "full", 3
+    model.save_pretrained(tmp_path / "out")
+    assert AttnResConfig.from_pretrained(tmp_path / "out").attn_res_block_size == 3
+
+
+def test_device_map_auto_keeps_each_decoder_layer_on_one_device(tmp_path):
+    """A layer's boundaries read its norms' and pseudo-queries' weights beside calling its attention and MLP:
+    `device_map="auto"` places a decoder layer whole (`_no_split_modules`, as Llama's), and the model it builds
+    (here partly offloaded to disk) computes what the model in memory does."""
+    model = tiny_model(seed=15)
+    model.save_pretrained(tmp_path / "model")
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map="auto",
+                                                     max_memory={"cpu": 90_000}, offload_folder=tmp_path / "offload")
+    placed = offloaded.hf_device_map
+    assert "cpu" in placed.values() and "disk" in placed.values()
+    assert [name for name in placed if name.startswith("model.layers.") and name.count(".") > 2] == []
+    ids = torch.randint(3, 97, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, model(ids).logits)

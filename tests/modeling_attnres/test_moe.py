@@ -190,3 +190,47 @@ def test_remote_code_loads_an_moe_checkpoint_without_the_package(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     with torch.no_grad():
         torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(num_experts=4, mlp_only_layers=[5]), "mlp_only_layers names layers [5] outside 0..4"),   # 5 layers: 0..4
+    (dict(num_experts=4, mlp_only_layers=[-1]), "mlp_only_layers names layers [-1] outside 0..4"),
+    (dict(num_experts=4, router_aux_loss_coef=-0.01), "router_aux_loss_coef must be a finite number >= 0, got -0.01"),
+])
+def test_expert_fields_just_outside_their_range_are_refused(overrides, fragment):
+    """The edges of each range: a layer index one past the last (or negative, which Python would read from the
+    end) names no layer, and a negative aux-loss coefficient would reward unbalanced routing."""
+    with pytest.raises(StrictDataclassClassValidationError) as err:
+        tiny_config(**overrides)
+    assert fragment in str(err.value)
+
+
+def test_every_token_may_be_routed_to_every_expert():
+    """`num_experts_per_tok == num_experts` is valid (the bound is "at most"): the model builds and runs."""
+    model = tiny_model(seed=5, **{**MOE, "num_experts_per_tok": 4})
+    with torch.no_grad():
+        assert model(torch.randint(3, 97, (1, 4))).logits.isfinite().all()
+
+
+def test_a_fresh_models_experts_and_routers_start_from_the_configs_initializer_range():
+    """A model built from a config (to train from scratch) draws its experts' and routers' weights from
+    normal(0, initializer_range), as Qwen3-MoE does: zero experts would make every sparse MLP output zero, and
+    another scale than the config's would train another model."""
+    torch.manual_seed(7)
+    model = AttnResForCausalLM(tiny_config(**MOE, initializer_range=0.2))
+    for kind in ("experts.gate_up_proj", "experts.down_proj", "gate.weight"):
+        values = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith(f".mlp.{kind}")])
+        assert values.numel() >= 4 * 4 * 32, kind                                     # every sparse layer's
+        assert abs(values.mean().item()) < 0.02 and abs(values.std().item() - 0.2) < 0.02, kind
+
+
+def test_the_configs_output_router_logits_is_the_default():
+    """`output_router_logits=True` in the config returns the router logits and adds the aux loss without the
+    argument, as Qwen3-MoE does (a training script sets it once in the config); the argument overrides it."""
+    model = moe_model(seed=8, output_router_logits=True)
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        out, plain = model(ids, labels=ids), model(ids, labels=ids, output_router_logits=False)
+    assert out.aux_loss is not None and len(out.router_logits) == len(model.config.sparse_layers)
+    assert plain.aux_loss is None
+    torch.testing.assert_close(out.loss, plain.loss + model.config.router_aux_loss_coef * out.aux_loss)
