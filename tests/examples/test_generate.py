@@ -21,3 +21,20 @@ def test_bad_options_end_in_one_line_naming_them(capsys, argv, message):
         generate.main(argv)
     said = str(exited.value) if isinstance(exited.value.code, str) else capsys.readouterr().err
     assert message in said, said
+
+
+def test_sampling_is_seeded_and_only_the_continuation_comes_back(shipped):
+    """`--sample --seed N` gives the same text whatever ran before; `complete` returns the new tokens only (the
+    demo prints the prompt itself)."""
+    import torch
+
+    model, tokenizer = shipped
+    prompt = "import os\n"
+    torch.manual_seed(1)
+    first = generate.complete(model, tokenizer, prompt, 6, sample=True, seed=3)
+    torch.manual_seed(2)
+    assert generate.complete(model, tokenizer, prompt, 6, sample=True, seed=3) == first
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert generate.complete(model, tokenizer, prompt, 6) == tokenizer.decode(out[0, ids.shape[1]:],
+                                                                            skip_special_tokens=True)

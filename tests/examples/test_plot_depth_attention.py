@@ -105,3 +105,32 @@ def test_too_few_tokens_name_the_option(tmp_path, capsys):
     assert "--max-tokens must be at least 2 (the weights are averaged over the tokens), got 0" in \
         capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_text_longer_than_the_context_averages_every_window(shipped):
+    """Every token of the text counts, window after window of the model's context, not the first window again."""
+    from modeling_attnres import AttnResForCausalLM
+    from tests.support.models import randomize_depth_parameters
+
+    _, tokenizer = shipped
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(tiny_config(vocab_size=len(tokenizer), max_position_embeddings=8)).eval()
+    randomize_depth_parameters(model, seed=1, scale=3.0)
+    rows = plot.mean_depth_weights(model, tokenizer, plot.FALLBACK_TEXT, max_tokens=20)
+    ids = torch.tensor(tokenizer.backend_tokenizer.encode(plot.FALLBACK_TEXT, add_special_tokens=False).ids[:20])
+    with torch.no_grad():
+        sites = [model(input_ids=ids[s : s + 8][None], output_depth_attentions=True).depth_attentions
+                 for s in range(0, 20, 8)]
+    columns = len(plot.source_labels(model.config))
+    for i, row in enumerate(rows):
+        mean = sum(window[i].float().sum(dim=(0, 1)) for window in sites) / 20
+        assert row == pytest.approx(plot.place(mean, columns, "block"), nan_ok=True, abs=1e-6)
+
+
+def test_the_text_comes_from_text_file_then_the_models_heldout_sample_then_the_snippet(tmp_path):
+    """--text-file wins; without it the model folder's heldout_sample.txt, else the built-in snippet."""
+    (tmp_path / "heldout_sample.txt").write_text("held out")
+    (tmp_path / "mine.txt").write_text("my text")
+    assert plot.read_text(tmp_path, tmp_path / "mine.txt") == ("my text", "mine.txt")
+    assert plot.read_text(tmp_path, None) == ("held out", "heldout_sample.txt")
+    assert plot.read_text(tmp_path / "other", None) == (plot.FALLBACK_TEXT, "built-in snippet")

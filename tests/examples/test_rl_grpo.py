@@ -4,6 +4,7 @@ logprobs equal transformers' on the updated policy (float32 noise), while the st
 the generator follows the trainer."""
 
 import json
+import math
 import os
 import sys
 
@@ -27,3 +28,34 @@ def test_the_generator_follows_the_trainer_after_every_step(tmp_path):
     for s in steps:
         assert s["synced_tensors"] > 50 and s["max_logprob_gap"] < 1e-4, s
         assert s["max_logprob_moved"] > 100 * max(s["max_logprob_gap"], 1e-6), s      # the sync carried real changes
+
+
+def test_the_grpo_loss_is_zero_on_policy_and_clips_a_large_ratio():
+    """On fresh samples the ratio is 1 and the group-normalised advantages sum to 0, so the loss is 0
+    (docs/training.md); a ratio beyond 1 + clip counts as 1 + clip where the advantage is positive."""
+    from types import SimpleNamespace
+
+    import rl_grpo
+    import torch
+
+    from modeling_attnres import AttnResForCausalLM
+    from tests.support.models import tiny_config
+
+    torch.manual_seed(0)
+    policy = AttnResForCausalLM(tiny_config()).eval()
+    prompt, groups = [10, 11, 12], [[2, 4, 6, 8], [1, 3, 5, 7], [2, 3, 4, 5], [2, 4, 6, 7]]
+    rewards = torch.tensor([rl_grpo.reward(tokens) for tokens in groups])
+    assert rewards.tolist() == [1.0, 0.0, 0.5, 0.75]
+
+    def completions(shift):
+        with torch.no_grad():
+            old = [rl_grpo.token_logprobs(policy, prompt, tokens) - shift for tokens in groups]
+        return [SimpleNamespace(token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=float(v))}
+                                                            for t, v in zip(tokens, lp)])
+                for tokens, lp in zip(groups, old)]
+    with torch.no_grad():
+        assert rl_grpo.grpo_loss(policy, prompt, completions(0.0), 0.2).item() == pytest.approx(0.0, abs=1e-5)
+        clipped = rl_grpo.grpo_loss(policy, prompt, completions(1.0), 0.2).item()
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    expected = -sum(1.2 * a if a > 0 else math.e * a for a in advantages.tolist()) / len(groups)
+    assert clipped == pytest.approx(expected, rel=1e-4)

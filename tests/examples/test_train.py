@@ -1,5 +1,7 @@
 """The training script on a tiny config: it learns, it is deterministic, and it resumes exactly."""
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,166 @@ def test_model_card_does_not_import_the_training_script():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "train" not in imported, "examples/model_card.py imports examples/train.py back (an import cycle)"
+
+
+def test_optimizer_leaves_norms_embeddings_and_queries_undecayed_and_follows_the_schedule(tiny_corpus, tmp_path):
+    """Weight decay spares norm gains, the embedding and the depth pseudo-queries (decay would pull a site back to
+    uniform mixing); the learning rate warms up from lr / warmup to lr, then decays by a cosine to lr * min_lr_ratio."""
+    args = train.parse_args(["--corpus-root", str(tiny_corpus), "--work-dir", str(tmp_path), *TRAIN_ARGS,
+                             "--steps", "10", "--warmup", "4", "--min-lr-ratio", "0.1"])
+    tok = train.prepare_data(args)[0]
+    model = train.build_model(args, tok)
+    optimizer, scheduler = train.build_optimizer(model, args)
+    decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
+    names = {name for name, p in model.named_parameters() if id(p) not in decayed}
+    groups = optimizer.param_groups
+    assert groups[0]["weight_decay"] == args.weight_decay > 0 and groups[1]["weight_decay"] == 0
+    assert any("_res_proj" in n for n in names) and any("embed_tokens" in n for n in names)
+    assert all(p.ndim == 2 and "_res_proj" not in n and "embed_tokens" not in n
+               for n, p in model.named_parameters() if id(p) in decayed)
+    factor = scheduler.lr_lambdas[0]
+    assert [factor(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    assert factor(10) == pytest.approx(0.1) and 0.1 < factor(7) < 1.0
+
+
+def test_every_option_that_changes_the_run_is_checked_on_resume():
+    """A checkpoint resumes only under the arguments that wrote it: every option but output paths, process
+    settings, evaluation and logging is compared (a run resumed under another --seed would mix two runs)."""
+    free = {"out", "overwrite", "work_dir", "eval_windows", "checkpoint_every", "stop_after", "no_resume", "threads",
+            "save_dtype", "fsdp"}
+    assert set(train.RESUME_KEYS) == set(vars(train.parse_args([]))) - free
+
+
+def test_validation_windows_are_spread_over_the_whole_stream():
+    """--eval-windows picks windows evenly from the first to the last (every held-out file contributes)."""
+    val = torch.arange(10)[:, None].expand(10, 3)
+    assert train.eval_windows(val, 4)[:, 0].tolist() == [0, 3, 6, 9]
+    assert torch.equal(train.eval_windows(val, 20), val)
+
+
+def test_a_training_step_clips_the_gradient_norm_to_one():
+    """Gradient clipping 1.0 (docs/training.md): a huge gradient moves the weights by one lr-unit of SGD."""
+    from types import SimpleNamespace
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self, input_ids, labels):
+            return SimpleNamespace(loss=(1000.0 * self.w * torch.arange(1.0, 5.0)).sum())
+
+    model = Toy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    train.train_step(model, optimizer, scheduler, torch.zeros(1, 2, dtype=torch.long))
+    assert model.w.detach().norm().item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_a_vocabulary_without_room_for_the_special_tokens_and_bad_process_counts_are_refused(monkeypatch):
+    """The 256 byte tokens plus the special tokens must fit; --fsdp needs several processes, and the global
+    batch must split evenly over them."""
+    with pytest.raises(SystemExit, match="--vocab-size 259 is below the 256 byte tokens plus 4 special tokens"):
+        train.check_args(train.parse_args(["--vocab-size", "259"]))
+    train.check_args(train.parse_args(["--vocab-size", "300"]))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match="--fsdp shards over several processes"):
+        train.check_args(train.parse_args(["--fsdp"]))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit, match="--batch-size 8 .* must be a multiple of the 3 processes"):
+        train.check_args(train.parse_args([]))
+
+
+def test_the_token_cache_is_not_reused_for_another_window_length(tiny_corpus, tmp_path):
+    """The work folder's cached windows are keyed by --seq-len (among others): a run with another length gets
+    windows of its own length, not the cached ones."""
+    common = ["--corpus-root", str(tiny_corpus), "--work-dir", str(tmp_path), *TRAIN_ARGS]
+    assert train.prepare_data(train.parse_args(common))[1].shape[1] == 32
+    _, windows, val, _ = train.prepare_data(train.parse_args([*common, "--seq-len", "16"]))
+    assert windows.shape[1] == val.shape[1] == 16
+
+
+def test_corpus_leaves_out_test_folders_and_splits_by_the_path_hash(tmp_path):
+    """Test suites and IDLE are not corpus files; a file is held out when the first 4 bytes of sha256(path),
+    as a number, are below the percentage modulo 100, and every document ends with the end-of-text token."""
+    import hashlib
+
+    for rel in ("a.py", "pkg/e.py", "test/b.py", "pkg/tests/c.py", "idlelib/d.py", "pkg/__pycache__/f.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    assert [rel for rel, _ in train.data.list_corpus_files(tmp_path)] == ["a.py", "pkg/e.py"]
+    for i in range(300):
+        rel = f"pkg/module_{i}.py"
+        value = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:4], "big") % 100
+        assert train.data.is_validation(rel, 5) == (value < 5), rel
+    tok = train.data.wrap_tokenizer(train.data.train_tokenizer(["def f():\n    return 1\n"] * 4, 300), 32)
+    stream = train.data.encode_stream(tok, ["x = 1", "y = 2"]).tolist()
+    eos = tok.convert_tokens_to_ids(train.data.EOS_TOKEN)
+    assert stream.count(eos) == 2 and stream[-1] == eos and stream.index(eos) > 0
+
+
+def test_each_epoch_has_an_order_of_its_own():
+    """Epochs are concatenated, each a new permutation of the windows (not the first one repeated)."""
+    order = torch.cat([train.data.batch_indices(s, 5, 10, seed=0) for s in range(4)])
+    assert sorted(order[10:].tolist()) == list(range(10)) and not torch.equal(order[:10], order[10:])
+
+
+def test_a_checkpoint_cut_short_leaves_the_previous_one(tmp_path, monkeypatch):
+    """Checkpoints are written whole or not at all: a save that dies half-way keeps the last complete one."""
+    path = tmp_path / "checkpoint.pt"
+    train.atomic_save({"step": 4}, path)
+
+    def dies_half_way(obj, f):
+        Path(f).write_bytes(b"PK\x03\x04 half")
+        raise OSError("disk full")
+    monkeypatch.setattr(train.torch, "save", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        train.atomic_save({"step": 8}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"step": 4}
+
+
+def test_compare_averages_the_last_window_of_steps_and_refuses_unequal_budgets():
+    """The online loss is the mean of steps at-window+1..at exactly; the validation table gives each run's
+    difference from the first row, and refuses runs trained on different numbers of tokens."""
+    import compare
+
+    def finished(arch, val_loss, tokens=1000):
+        return {"arch": arch, "params": 1e6, "train_tokens": tokens, "val_loss": val_loss}
+    runs = [{"arch": "block", "history": [float(i) for i in range(10)], "tokens_per_step": 100,
+             "metrics": finished("block", 4.0)},
+            {"arch": "llama", "history": [2.0 * i for i in range(12)], "tokens_per_step": 100,
+             "metrics": finished("llama", 4.5)}]
+    online = compare.online_table(runs, 3).splitlines()
+    assert online[2] == f"| Block AttnRes | 1,000 | 8.0000 | {math.exp(8.0):.2f} |"
+    assert online[3].startswith("| Llama baseline | 1,000 | 16.0000 |")
+    assert compare.online_table(runs, 2, at=5).splitlines()[2].startswith("| Block AttnRes | 500 | 3.5000 |")
+    table = compare.validation_table(runs).splitlines()
+    assert table[2].endswith("| 4.0000 | 54.60 |  |") and table[3].endswith("| 4.5000 | 90.02 | +0.5000 |")
+    runs[1]["metrics"] = finished("llama", 4.5, tokens=2000)
+    with pytest.raises(SystemExit, match=r"different numbers of tokens \[1000, 2000\]"):
+        compare.validation_table(runs)
+
+
+def test_the_reproduce_command_names_changed_options_and_bare_flags():
+    """The card's command is the training command: changed options with their values, flags without one."""
+    from model_card import command_line
+
+    args = train.parse_args(["--arch", "full", "--steps", "5", "--fsdp", "--threads", "2", "--overwrite"])
+    assert command_line(args, vars(train.parse_args([]))) == ".venv/bin/python examples/train.py --arch full " \
+                                                             "--steps 5 --fsdp"
+
+
+def test_the_exported_folder_keeps_the_saved_dtype_heldout_text_and_greedy_decoding(tiny_corpus, tmp_path):
+    """--save-dtype is the weights' dtype on disk; heldout_sample.txt is the text the card's held-out loss was
+    measured on (so a test can re-measure it); the generation config decodes greedily."""
+    from model_card import HELDOUT_FILE
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    run(tiny_corpus, tmp_path / "work", "--steps", "2", "--out", str(out), "--save-dtype", "bfloat16")
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    validation = train.data.read_texts(tiny_corpus, 20)["validation"]
+    assert (out / HELDOUT_FILE).read_text() == train.heldout_sample("\n".join(validation))
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["do_sample"] is False
