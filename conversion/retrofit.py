@@ -15,7 +15,8 @@ puts back on top of a fresh conversion of the same source.
         --export-depth depth.safetensors --steps 60 --seq-len 128 --batch-size 4
 
 The corpus is a text file or a folder of them (`--pattern`, default `*.txt`, `*.md`, `*.rst`),
-read in sorted order; a file is held out when `sha256(relative path) % 100 < --validation-percent`
+read in sorted order; a file is held out when the first 4 bytes of `sha256(relative path)`, read as a
+big-endian number, modulo 100 are below `--validation-percent`
 (a corpus of one file holds out its last `--validation-percent` % of lines), and the held-out loss is
 reported before and after training. Checkpoints go to `--work-dir` every `--save-every` steps; `--resume`
 continues from the last one exactly (same batches, same result), and only the run that wrote them: the

@@ -60,7 +60,7 @@ def validation_table(runs: list[dict]) -> str:
 def online_table(runs: list[dict], window: int, at: int | None = None) -> str:
     """Markdown: mean training loss over steps `(at - window, at]`, on batches each model saw first there."""
     common = min(len(r["history"]) for r in runs)
-    at = min(at or common, common)
+    at = common if at is None else min(at, common)
     if at < window:
         raise SystemExit(f"error: the runs share only {at} steps, fewer than --window {window}; pass --window {at} "
                          "or less")
@@ -79,6 +79,10 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=50, help="steps averaged for the online loss")
     p.add_argument("--at", type=int, help="step for the online loss (default: the largest common step)")
     args = p.parse_args(argv)
+    if args.window < 1:
+        p.error(f"--window must be at least 1 step, got {args.window}")
+    if args.at is not None and args.at < 1:
+        p.error(f"--at must be a step >= 1, got {args.at} (leave it out for the largest common step)")
     runs = [load_run(folder) for folder in args.runs]
     print(validation_table(runs))
     print()

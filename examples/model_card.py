@@ -137,7 +137,8 @@ the message contents with newlines, so a chat request continues the code it cont
 {m['train_tokens']:,} tokens ({m['steps_done']} steps of {args.batch_size} x {args.seq_len}), AdamW
 (lr {args.lr}, {args.warmup} warm-up steps, cosine to {args.min_lr_ratio} x lr, weight decay
 {args.weight_decay}, grad clip 1.0), float32 on CPU, seed {args.seed}.{speed_line(m)} Split: a file is in validation
-when `sha256(relative path) % 100 < {args.validation_percent}`. Reproduce with:
+when the first 4 bytes of `sha256(relative path)`, read as a big-endian number, modulo 100 are
+below {args.validation_percent}. Reproduce with:
 
 ```bash
 {command_line(args, defaults)}

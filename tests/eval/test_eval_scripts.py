@@ -208,6 +208,18 @@ def test_verdict_names_each_criterion_that_fails():
     assert "countries" not in line
 
 
+def test_one_item_a_task_compares_the_scores_without_a_standard_error():
+    """`--limit 1` gives no standard error (NaN): the same scores hold and a lower one fails, with the bound
+    said, rather than every accuracy check failing against a NaN bound."""
+    source = report.summarize("source", fake_results([1], [1], [-1.0], [-30.0]))
+    same = report.summarize("same", fake_results([1], [1], [-1.0], [-30.0]))
+    assert all(c.holds for c in report.checks(same, source)), report.checks(same, source)
+    assert report.verdict(same, source) == "same: not worse than source on any criterion"
+    lower = report.summarize("lower", fake_results([0], [1], [-1.0], [-30.0]))
+    assert report.verdict(lower, source) == ("lower: WORSE than source on capitals accuracy (-1.000, bound >= 0 "
+                                             "(no SE: one item))")
+
+
 def test_table_puts_the_models_side_by_side():
     source = report.summarize("source", fake_results([1, 0], [1, 0], [-1.0, -2.0], [-30.0, -50.0]))
     other = report.summarize("other", fake_results([0, 1], [1, 0], [-1.5, -2.0], [-30.0, -49.0]))

@@ -315,6 +315,19 @@ def test_compare_averages_the_last_window_of_steps_and_refuses_unequal_budgets()
         compare.validation_table(runs)
 
 
+@pytest.mark.parametrize("argv, message", [(["--window", "0"], "--window must be at least 1 step, got 0"),
+                                           (["--window", "-3"], "--window must be at least 1 step, got -3"),
+                                           (["--at", "0"], "--at must be a step >= 1, got 0")])
+def test_compare_refuses_a_window_or_step_below_one_naming_it(argv, message, capsys):
+    """A zero window divided by zero, a negative one averaged nothing, and `--at 0` silently meant the largest
+    common step: each is refused before any run is read."""
+    import compare
+
+    with pytest.raises(SystemExit):
+        compare.main(["no-such-run", *argv])
+    assert message in capsys.readouterr().err
+
+
 def test_the_reproduce_command_names_changed_options_and_bare_flags():
     """The card's command is the training command: changed options with their values, flags without one."""
     from model_card import command_line
