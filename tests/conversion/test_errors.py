@@ -19,6 +19,7 @@ import attnres.conversion.converter as converter_module
 import modeling_attnres  # noqa: F401  (registers the Auto classes)
 from attnres.conversion import ConversionError, ConvertOptions, commands, convert
 from attnres.conversion.cli import main
+from attnres.conversion.errors import listing
 from tests.conversion.builders import edit_config, rel_diff, save_source, source_model, token_ids
 
 
@@ -540,3 +541,67 @@ def test_an_unloadable_state_dict_file_is_one_line_without_torchs_advice(tmp_pat
     assert "save model.state_dict()" in lines[0] and "weights_only=False" not in lines[0]
     assert "add_safe_globals" not in lines[0]                      # torch's advice to trust the file's classes
     assert_nothing_written(tmp_path, "dst")
+
+
+def test_a_listing_in_an_error_is_sorted_and_cut_only_past_its_limit():
+    """Every error that lists keys lists them all, sorted, up to its limit, then says how many more there are:
+    a user fixing a checkpoint must see every problem in one run."""
+    keys = [f"k{i:02d}" for i in range(20)]
+    assert listing(reversed(keys)) == ", ".join(keys)                          # exactly the limit: all of them
+    assert listing([*keys, "k20"]) == ", ".join(keys) + ", ... (1 more)"
+    assert listing(["b", "a", "c"], limit=2) == "a, b, ... (1 more)"
+
+
+def test_an_index_that_puts_a_tensor_in_another_shard_is_named(tmp_path):
+    """An index from another save that names the wrong shard for a tensor means the shards and the index
+    disagree: refused naming the tensor, where the index says it is and where it was found."""
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    index = src / "model.safetensors.index.json"
+    saved = json.loads(index.read_text())
+    shards = sorted(set(saved["weight_map"].values()))
+    key = next(k for k, f in saved["weight_map"].items() if f == shards[0])
+    saved["weight_map"][key] = shards[1]
+    index.write_text(json.dumps(saved))
+    refuse(tmp_path, src, rf"index\.json does not match the shards: {key.replace('.', '[.]')} \(index: {shards[1]}, "
+                          rf"found in: {shards[0]}\)")
+
+
+def test_every_missing_shard_is_named(tmp_path):
+    """An incomplete download lacks several shards: all are named at once, not one per run."""
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    first, second = sorted(src.glob("*.safetensors"))[:2]
+    first.unlink()
+    second.unlink()
+    refuse(tmp_path, src, rf"names shard\(s\) that are not in .*: {first.name}, {second.name}\. Download the complete")
+
+
+def test_every_key_the_config_turns_off_is_listed(tmp_path):
+    """A bias the config turns off is named for every layer and projection that stores one, not only the first."""
+    src = save_source(source_model("llama", attention_bias=True), tmp_path / "src", shards=False)
+    path = src / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "attention_bias": False}))
+    with pytest.raises(ConversionError) as err:
+        convert(src, tmp_path / "dst", ConvertOptions(verify=False))
+    for i in range(4):
+        for proj in "qkvo":
+            assert f"model.layers.{i}.self_attn.{proj}_proj.bias -> " in str(err.value), str(err.value)
+
+
+def test_a_blank_path_is_refused_like_an_empty_one():
+    """`"$OUT "` with OUT unset is as empty as `"$OUT"`."""
+    from attnres.conversion.checkpoint_io import require_path
+    from attnres.conversion.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"DST is empty \(' '\); pass a path"):
+        require_path(" ", "DST")
+
+
+def test_hidden_files_of_the_source_are_not_carried_over(tmp_path):
+    """Only the model's side files are published (and pushed): a source's hidden files (`.gitattributes` of a
+    clone, an editor's or a tool's state) are not."""
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src", tokenizer=True)
+    (src / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (src / ".notes").write_text("private")
+    result = convert(src, tmp_path / "dst", ConvertOptions(verify=False))
+    assert not [p.name for p in (tmp_path / "dst").iterdir() if p.name.startswith(".")]
+    assert "tokenizer.json" in result.copied_files

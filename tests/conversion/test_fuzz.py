@@ -439,3 +439,33 @@ def test_config_fuzz(fuzzed):
     cases, results = fuzzed["config"]
     assert_clean(results, cases)
     assert [r["outcome"] for r in results].count("refused") >= 40
+
+
+def test_the_bounds_check_counts_the_alignment_padding_and_refuses_an_alignment_not_a_power_of_two(tmp_path):
+    """Tensor data starts at the header's end rounded up to `general.alignment`: a file cut short by one byte is
+    refused naming the tensor, even where the padding would hide that; and an alignment the spec does not
+    allow (a power of two) is refused before any offset is computed from it."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    from attnres.conversion.errors import ConversionError
+    from attnres.conversion.gguf_source import check_gguf_bounds
+
+    def write(path, alignment=None):
+        writer = GGUFWriter(path, "llama")
+        if alignment:
+            writer.add_uint32("general.alignment", alignment)
+        writer.add_tensor("x", np.ones((7, 10), np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    path = write(tmp_path / "cut.gguf")
+    start = GGUFReader(path).data_offset                              # the header's end, rounded up to 32
+    path.write_bytes(path.read_bytes()[:start + 279])                 # x's 280 bytes, less one
+    with pytest.raises(ConversionError, match=r"tensor 'x' claims 280 bytes at data offset 0 but only 279 bytes"):
+        check_gguf_bounds(path)
+    with pytest.raises(ConversionError, match=r"general\.alignment is 24, expected a power of two"):
+        check_gguf_bounds(write(tmp_path / "odd.gguf", alignment=24))

@@ -204,3 +204,13 @@ def test_a_wrong_gguf_file_is_named(two_ggufs, tmp_path, capsys, name, src_kind,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("attnres-convert: error: ") and re.search(message, err), err
     assert not (tmp_path / "dst").exists()
+
+
+def test_one_part_of_a_gguf_split_in_two_is_refused(tmp_path):
+    """A split GGUF's first part holds only some tensors, however few the parts."""
+    write_gguf(tiny_llama(), tmp_path / "tiny.gguf", split_max_tensors=30)
+    path = tmp_path / "tiny-00001-of-00002.gguf"
+    assert path.exists(), sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ConversionError, match=r"tiny-00001-of-00002\.gguf is one of 2 parts of a split GGUF"):
+        convert(path, tmp_path / "dst")
+    assert_nothing_written(tmp_path)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres.conversion.cli import main
 from attnres.conversion.errors import ConversionError, hub_reason
-from attnres.conversion.hub import require_token
+from attnres.conversion.hub import require_token, upload_command
 from modeling_attnres.modeling_attnres import REMOTE_CODE_FILES
 from tests.conversion.builders import hub_cache_snapshot, rel_diff, save_source, source_model, token_ids
 from tests.conversion.fake_hub import FakeHub
@@ -191,7 +191,9 @@ def test_a_second_push_replaces_the_repos_files_and_private_is_never_ignored(tmp
     assert main([str(first), str(tmp_path / "three"), "--no-verify", "--push-to-hub", "me/tiny-attnres",
                  "--private"]) == 1
     line = only_error_line(capsys.readouterr().err)
-    assert "--private: the Hub repo 'me/tiny-attnres' already exists and is public" in line, line
+    # Said as itself, not as a failed upload whose retry command would hit the same public repo.
+    assert line.startswith("attnres-convert: error: --private: the Hub repo 'me/tiny-attnres' already exists and "
+                           "is public"), line
     assert "nothing was uploaded" in line and len(hub.commits) == commits
     assert main([str(first), str(tmp_path / "four"), "--no-verify", "--push-to-hub", "me/private-attnres",
                  "--private"]) == 0
@@ -264,11 +266,13 @@ def test_a_hub_source_downloads_only_what_the_conversion_reads(monkeypatch, tmp_
 
     from attnres.conversion import checkpoint_io
 
-    asked = []
+    asked, listed = [], []
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: files)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files",
+                        lambda self, repo, revision=None: listed.append(revision) or files)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: asked.append(kw) or str(tmp_path))
     assert checkpoint_io.resolve_source("org/model", revision="main") == tmp_path
+    assert listed == ["main"]                       # the patterns are chosen from the revision downloaded
     (kwargs,) = asked
     assert kwargs["repo_id"] == "org/model" and kwargs["revision"] == "main" and "allow_patterns" not in kwargs
     assert {"original/*", "*.onnx", "*.msgpack", "*.h5", "*.gguf"} <= set(kwargs["ignore_patterns"])
@@ -299,3 +303,61 @@ def test_a_hub_gguf_repo_downloads_the_one_file_named(monkeypatch, tmp_path):
     (tmp_path / "model-Q8_0.gguf").write_bytes(b"")
     assert checkpoint_io.resolve_source("org/model-GGUF", None, "model-Q8_0.gguf") == tmp_path / "model-Q8_0.gguf"
     assert asked == [{"repo_id": "org/model-GGUF", "revision": None, "allow_patterns": ["model-Q8_0.gguf"]}]
+
+
+def test_push_folder_uses_the_token_endpoint_and_revision_it_is_given(tmp_path, hub_without_login):
+    """`push_folder` as a library call: a token passed in needs no login, the endpoint passed in is the one
+    reached (not HF_ENDPOINT), and the commit lands on the revision asked for, not on `main`."""
+    from attnres.conversion import push_folder
+
+    hub, mp = hub_without_login
+    mp.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")        # HF_ENDPOINT elsewhere: never reached
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--no-verify"]) == 0
+    push_folder(tmp_path / "dst", "me/tiny-attnres", token="hf_test_token", endpoint=hub.url, revision="dev")
+    refs = hub.cache / "models--me--tiny-attnres" / "refs"
+    assert len(hub.commits) == 1 and sorted(p.name for p in refs.iterdir()) == ["dev"]
+    assert hub.commits[0]["files"] == sorted(p.name for p in (tmp_path / "dst").iterdir())
+
+
+def test_only_a_finished_conversion_is_pushed(tmp_path, hub_without_login):
+    """A folder without its model card or modeling files (a copy cut short, another tool's output) is refused
+    before anything reaches the Hub, naming what is missing: the repo would not load with remote code."""
+    from attnres.conversion import push_folder
+
+    hub, mp = hub_without_login
+    mp.setenv("HF_TOKEN", "hf_test_token")
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--no-verify"]) == 0
+    (tmp_path / "dst" / "README.md").unlink()
+    (tmp_path / "dst" / REMOTE_CODE_FILES[0]).unlink()
+    missing = rf"\['{REMOTE_CODE_FILES[0]}', 'README\.md'\]"
+    with pytest.raises(ConversionError, match=rf"is not a converted AttnRes folder \(missing: {missing}\); push the "
+                                              "DST of a finished attnres-convert run"):
+        push_folder(tmp_path / "dst", "me/tiny-attnres")
+    assert hub.calls == []
+
+
+def test_the_retry_command_pushes_to_the_same_revision():
+    """The `hf upload` line a failed push prints must redo that push: same repo, folder (quoted), privacy
+    and revision."""
+    assert upload_command("me/m", Path("/out/my model"), private=True, revision="v2") == (
+        "hf upload me/m '/out/my model' --delete '*' --private --revision v2")
+    assert upload_command("me/m", Path("/out/m")) == "hf upload me/m /out/m --delete '*'"
+
+
+def test_ctrl_c_while_pushing_says_the_conversion_is_complete_and_exits_130(tmp_path, capsys, monkeypatch):
+    """An interrupt during the upload ends like every interrupt (status 130, one line), and tells the user the
+    converted folder is whole and how to push it again."""
+    from attnres.conversion import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setattr(cli, "push_folder", interrupted)
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--no-verify", "--push-to-hub", "me/m"]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("attnres-convert: error: interrupted while pushing; the converted checkpoint is complete")
+    assert f"hf upload me/m {tmp_path / 'dst'} --delete '*'" in line and (tmp_path / "dst" / "config.json").is_file()

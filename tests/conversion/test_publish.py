@@ -138,3 +138,91 @@ def test_a_file_hashes_to_the_sha256_of_its_bytes_across_chunk_boundaries(tmp_pa
     assert hash_file(path, digest).hexdigest() == hashlib.sha256(b"prefix" + data).hexdigest()
     (tmp_path / "empty").write_bytes(b"")
     assert sha256_of(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
+
+
+def test_everything_published_is_flushed_to_disk_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """Users rely on a published folder surviving a power cut whole: every file and folder of the staging
+    is fsynced before it is renamed onto DST, and the folder holding DST after the rename."""
+    synced, tmp_path = [], tmp_path.resolve()
+
+    def spy(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+
+    monkeypatch.setattr(os, "fsync", spy)
+    dst = old_folder(tmp_path)
+    with staged_folder(dst) as tmp:
+        (tmp / "sub" / "deeper").mkdir(parents=True)
+        for name in ("top", "sub/mid", "sub/deeper/leaf"):
+            (tmp / name).write_text(name)
+    staging = {p.relative_to(tmp).as_posix() for p in synced if p.is_relative_to(tmp)} | (
+        {"."} if tmp in synced else set())
+    assert staging == {".", "top", "sub", "sub/mid", "sub/deeper", "sub/deeper/leaf"}, synced
+    assert synced[-1] == tmp_path                                  # the rename itself, made durable last
+    assert (dst / "sub" / "deeper" / "leaf").read_text() == "sub/deeper/leaf"
+
+
+def test_a_staged_file_gets_the_mode_a_plain_open_would(tmp_path):
+    """Writers that create private temporary files (mode 0600) still publish files others may read, as the
+    umask says: a checkpoint shared on a server must not come out readable by its writer only."""
+    dst = tmp_path / "out"
+    with staged_folder(dst) as tmp:
+        fd = os.open(tmp / "weights", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.close(fd)
+    assert oct((dst / "weights").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    with staged_file(tmp_path / "one") as tmp:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))
+    assert oct((tmp_path / "one").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def test_a_staging_with_the_old_folder_set_aside_is_removed_whole_once_its_writer_is_dead(tmp_path):
+    """A writer killed between renaming the old DST aside and removing it leaves `.NAME.staging-ID.old`:
+    the next writer removes it with the staging and the lock, so no copy of an old checkpoint piles up."""
+    staging = tmp_path / ".out.staging-1-dead"
+    (staging / "new").mkdir(parents=True)
+    (tmp_path / f"{staging.name}.old").mkdir()
+    (tmp_path / f"{staging.name}.old" / "weights").write_text("old")
+    (tmp_path / f"{staging.name}.lock").write_text("")            # nobody holds it: its writer died
+    assert remove_dead_stagings(tmp_path) == [staging]
+    assert names(tmp_path) == []
+
+
+def test_the_signal_handlers_are_given_back_when_the_writer_is_done(tmp_path):
+    """SIGTERM and SIGHUP raise only while output is being staged: after it, a program embedding the
+    converter has its own handlers (or the defaults) again."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    with staged_folder(tmp_path / "out") as tmp:
+        assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
+        (tmp / "new").write_text("new")
+    with pytest.raises(RuntimeError), staged_folder(tmp_path / "other"):
+        raise RuntimeError("boom")
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_an_existing_destination_never_stops_existing_while_it_is_replaced(tmp_path, monkeypatch):
+    """Where the kernel can swap two folders in one step (`renameat2(RENAME_EXCHANGE)`, Linux), a reader
+    of DST sees the old folder or the new one, never no folder: DST is never renamed away."""
+    from attnres.conversion import publish
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    if not publish._exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("this file system cannot exchange two folders in one step")
+    dst = old_folder(tmp_path)
+    renamed, rename = [], os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b, **kw: renamed.append(Path(a)) or rename(a, b, **kw))
+    with staged_folder(dst) as tmp:
+        (tmp / "new").write_text("new")
+    assert dst not in renamed and tree(dst) == {"new": "new"}
+
+
+def test_a_new_writer_removes_what_a_killed_writer_of_the_folder_left(tmp_path):
+    """Users rerun a killed conversion and expect no half-written copy beside DST afterwards: every new
+    staging first removes the dead stagings in its folder, whichever destination they were for."""
+    dst = old_folder(tmp_path)
+    killed = start_writer(tmp_path / "other")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert len([n for n in names(tmp_path) if n.startswith(".other.staging-")]) == 2
+    with staged_folder(dst) as tmp:
+        (tmp / "new").write_text("new")
+    assert names(tmp_path) == ["out"] and tree(dst) == {"new": "new"}

@@ -175,3 +175,53 @@ def test_default_block_size_and_source_counts():
     # layer 0: attn mixes only the embedding; the partial becomes block 1 at layers 0, 2, 4
     assert sources_per_site(config) == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
     assert sources_per_site(config)[-1] == config.num_depth_sources
+
+
+def test_a_model_of_ten_or_more_layers_converts_every_layer(tmp_path):
+    """Layer indices of two digits and more (every real model) are matched by the key map like 0-9."""
+    model = source_model("llama", num_hidden_layers=11)
+    src = save_source(model, tmp_path / "src", shards=False)
+    convert(src, tmp_path / "dst", ConvertOptions(verify=False))
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    with torch.no_grad():
+        assert rel_diff(converted(token_ids()).logits, model(token_ids()).logits) < 1e-5
+
+
+def test_the_card_says_the_output_dtype_what_was_kept_and_how_a_tied_head_was_scaled(tmp_path):
+    """The model card is what Hub users read: the dtype written (not the source's), the side files carried
+    over, and for a tied model only, that the final norm's gain carries 1/s."""
+    tied = save_source(source_model("qwen2_tied", eps=1e-6), tmp_path / "tied", shards=False, tokenizer=True)
+    (tied / "README.md").write_text("# The source's own card\n")                  # replaced, never "kept"
+    convert(tied, tmp_path / "tied_out", ConvertOptions(verify=False, dtype="bfloat16", stream_scale=2.0))
+    card = (tmp_path / "tied_out" / "README.md").read_text()
+    assert "- dtype: bfloat16\n" in card
+    kept = card.split("- kept from the source: ")[1].split("\n")[0]
+    assert "`tokenizer.json`" in kept and "README" not in kept and "source's own card" not in card
+    assert "final norm's gain divided by `s` because lm_head is tied" in card
+    untied = save_source(source_model("llama", eps=1e-6), tmp_path / "untied", shards=False)
+    convert(untied, tmp_path / "untied_out", ConvertOptions(verify=False, stream_scale=2.0))
+    card = (tmp_path / "untied_out" / "README.md").read_text()
+    assert "- dtype: float32\n" in card
+    assert "lm_head is tied" not in card
+
+
+def test_the_summary_prints_the_calibration_it_chose_the_scale_from(tmp_path, capsys):
+    """Without --stream-scale the scale is calibrated on the source; the summary shows the predicted error of
+    each scale tried, so the user can see why this s was chosen."""
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src")
+    assert main([str(src), str(tmp_path / "dst"), "--no-verify"]) == 0
+    out = capsys.readouterr().out
+    assert "  stream scale calibration (predicted relative logit error): s=1: " in out, out
+
+
+def test_the_eps_report_measures_the_converted_model_at_each_scale(tmp_path):
+    """`python -m attnres.conversion.eps_report` is the docs' eps table: at eps 0 every conversion is exact, with
+    eps each scale asked for is the one measured (their errors differ), and the calibrated cell names its s."""
+    from attnres.conversion.eps_report import measure
+
+    exact = measure("Llama", 2, 0.0, [1.0, 2.0, None], None, tmp_path / "zero")
+    assert all(float(cell.split()[0]) < 1e-6 for cell in exact), exact                # float32 round-off only
+    cells = measure("Llama", 2, 1e-5, [1.0, 2.0, None], None, tmp_path / "eps")
+    errors = [float(cell.split()[0]) for cell in cells]
+    assert errors[0] > errors[1] > 1e-4 and errors[2] <= min(errors[:2]), cells      # random init: eps costs
+    assert cells[2].split()[1].startswith("(s=")
