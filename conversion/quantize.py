@@ -196,12 +196,14 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, overwrite: bool = Fals
 def quantized_card(src: Path, count: int, reduce_range: bool) -> str:
     """The model card (README.md) of a quantized checkpoint: what it is and how to serve it."""
     limit = REDUCED_MAX if reduce_range else INT8_MAX
-    scale = carried_from_card(src)[0]
+    scale, base = carried_from_card(src)
+    # The Hub links a quantization to the model it came from (its tree, "Quantizations of ...").
+    lineage = [f"base_model: {base}", "base_model_relation: quantized"] if base else []
     carried = ([f"- residual-stream scale s: {scale:g} (applied when the source was converted from its "
                 "Llama-family model, and kept: from the source's model card)", ""] if scale is not None else [])
     return "\n".join([
         "---", "library_name: transformers", "tags:", "- attnres", "- attention-residuals", "- compressed-tensors",
-        "- int8", "---", "", f"# W8A8 int8 quantization of {src.name}", "",
+        "- int8", *lineage, "---", "", f"# W8A8 int8 quantization of {src.name}", "",
         f"An Attention Residuals (Kimi Team, arXiv:2603.15031) model, `{src}`, quantized with `attnres-quantize`: "
         f"{count} q/k/v/o/gate/up/down projection weights as symmetric per-output-channel int8 in "
         f"[-{limit}, {limit}]" + (" (`--reduce-range`, for CPUs without VNNI)" if reduce_range else "") +

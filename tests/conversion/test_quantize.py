@@ -60,3 +60,17 @@ def test_integer_weights_without_a_quantization_config_are_refused(bf16_attnres,
                                               r"\[out, in\] weight; is the checkpoint already quantized\?"):
         quantize_checkpoint(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_card_keeps_the_base_model_of_a_converted_source(tmp_path):
+    """A quantization of a model converted from the Hub names the same base model, as a quantization, so the
+    Hub lists it under that model; a source whose card names none gets no such line."""
+    src = save_source(source_model("llama", eps=1e-6), tmp_path / "src", shards=False, tokenizer=True)
+    convert(src, tmp_path / "attnres", ConvertOptions(verify=False))
+    card = tmp_path / "attnres" / "README.md"
+    quantize_checkpoint(tmp_path / "attnres", tmp_path / "plain")
+    assert "base_model" not in (tmp_path / "plain" / "README.md").read_text()
+    card.write_text(card.read_text().replace("tags:", "base_model: org/tiny-llama\ntags:", 1))
+    quantize_checkpoint(tmp_path / "attnres", tmp_path / "w8a8")
+    front = (tmp_path / "w8a8" / "README.md").read_text().split("\n---", 1)[0]
+    assert "\nbase_model: org/tiny-llama\nbase_model_relation: quantized" in front, front
