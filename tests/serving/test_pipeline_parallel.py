@@ -95,5 +95,8 @@ def test_depth_history_round_trips_a_stage_boundary_and_is_stored_in_place_after
         storage = received.storage
         pushed = push_source(received, torch.randn(3, 8), 1e-6)
         assert pushed.storage is storage and pushed.num_stored == 3            # in place
+        one_left, _ = unpack_depth(sent, capacity=3)                           # room for the last source only
+        assert one_left.storage.shape == (3, 3, 8)
+        assert push_source(one_left, torch.randn(3, 8), 1e-6).storage is one_left.storage
         full, _ = unpack_depth(sent, capacity=2)
         assert full.storage is sent["bank_sources"] and full.num_stored == 2

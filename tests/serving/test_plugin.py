@@ -76,6 +76,21 @@ def test_help_leaves_the_servers_environment_alone(monkeypatch, capsys):
     assert seen == [None, "compiled"]
 
 
+def test_the_commands_warnings_are_on_stderr(monkeypatch, capsys):
+    """What `attnres-serve` warns of before vLLM starts (here a public bind without a key) goes to stderr, with
+    the errors and vLLM's log, where a service manager or a terminal shows it; stdout carries none of it."""
+    import vllm.entrypoints.cli.main
+
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    monkeypatch.setattr(os, "environ", environ)                 # a copy: what the command sets stays here
+    monkeypatch.setattr(sys, "argv", list(sys.argv))            # which the command replaces
+    monkeypatch.setattr(vllm.entrypoints.cli.main, "main", lambda: None)
+    cli.main([SHIPPED_MODEL, "--host", "0.0.0.0", "--port", "0"])
+    out, err = capsys.readouterr()
+    assert "warning" not in out and err.startswith("attnres-serve: warning: listening on 0.0.0.0 without an API "
+                                                   "key"), (out, err)
+
+
 def test_entry_point_is_discoverable():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     ours = [ep for ep in eps if ep.name == "attnres"]
@@ -173,6 +188,23 @@ def test_serve_argv_shipped_and_random_models(tmp_path, monkeypatch):
     assert argv[0] == "serve" and Path(argv[1], "config.json").exists()
     assert Path(argv[1]) == tmp_path / "attnres-random-v1"
     assert argv[2:] == ["--served-model-name", RANDOM_SERVED_NAME, "--host", "127.0.0.1", *GRACE, *ALWAYS]
+
+
+def test_the_random_models_depth_parameters_are_not_the_uniform_start(tmp_path):
+    """The parity tests check depth attention on random checkpoints (`write_tiny_checkpoint`, behind
+    `builtin:attnres-random`): only with non-zero pseudo-queries and non-unit key norms does a wrong score or
+    key norm change the output (zero queries mix every source uniformly, whatever its key)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from attnres.serving.random_model import write_tiny_checkpoint
+
+    tensors = load_file(write_tiny_checkpoint(tmp_path / "random") / "model.safetensors")
+    queries = {k: t for k, t in tensors.items() if k.endswith("_res_proj.weight")}
+    key_norms = {k: t for k, t in tensors.items() if k.endswith("_res_norm.weight")}
+    assert len(queries) == len(key_norms) == 2 * 4 + 1                  # two sites per layer and the output's
+    assert all(torch.count_nonzero(t) == t.numel() for t in queries.values()), queries.keys()
+    assert not any(torch.allclose(t, torch.ones_like(t)) for t in key_norms.values())
 
 
 def test_compiled_graphs_on_a_cpu_get_the_cpu_kernel_op_unless_the_variable_is_set():
@@ -291,7 +323,8 @@ def test_every_spelling_of_a_compilation_choice_keeps_the_default_compilation_ou
 @pytest.mark.parametrize("args, env, warned", [
     (["--host", "0.0.0.0"], {}, True), (["--host=192.168.1.5"], {}, True), (["--host", "::"], {}, True),
     (["--host", "0.0.0.0", "--api-key", "k"], {}, False), (["--host", "0.0.0.0"], {"VLLM_API_KEY": "k"}, False),
-    (["--host", "127.0.0.1"], {}, False), (["--host", "localhost"], {}, False), ([], {}, False),
+    (["--host", "127.0.0.1"], {}, False), (["--host", "localhost"], {}, False), (["--host", "::1"], {}, False),
+    ([], {}, False),
     (["--host", "0.0.0.0", "--uds", "/tmp/s"], {}, False)])
 def test_a_public_bind_without_a_key_is_warned_about(args, env, warned):
     warning = cli.exposure_warning(["serve", "m", *args], env)
@@ -367,6 +400,18 @@ def test_startup_problem_names_a_missing_model_and_a_busy_port(tmp_path):
         assert problem.startswith(f"cannot listen on 127.0.0.1:{port}")
     assert cli.startup_problem(["serve", str(shipped_model_path()), "--port", str(port)]) is None
     assert cli.startup_problem(["serve", "--help"]) is None
+
+
+def test_a_server_on_a_unix_socket_is_not_refused_for_a_busy_tcp_port(tmp_path):
+    """With `--uds` vLLM listens on the socket file alone, so a busy `--port` (or vLLM's default 8000, held by
+    another server) is no reason to refuse the start."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["serve", str(shipped_model_path()), "--uds", str(tmp_path / "attnres.sock"), "--port", str(port)]
+        assert cli.startup_problem(argv) is None
+        assert cli.startup_problem([*argv[:2], "--port", str(port)]).startswith(f"cannot listen on 127.0.0.1:{port}")
 
 
 
@@ -476,6 +521,20 @@ def test_a_checkpoint_that_cannot_be_served_is_refused_before_allocating(checkpo
     smaller = AttnResConfig.from_pretrained(path, vocab_size=config.vocab_size - 4)
     with pytest.raises(ValueError, match=r"has 104 tokens but the model's vocab_size is 100: ids 100\.\.103"):
         check_before_allocating(model_config("org/elsewhere", path, smaller), smaller)
+
+
+def test_a_server_started_without_its_tokenizer_is_not_refused_for_the_tokenizers_size(checkpoints):
+    """With `--skip-tokenizer-init` the engine never loads the tokenizer (clients send token ids, which vLLM
+    checks against the vocabulary itself): a tokenizer beside the weights that is larger than the vocabulary
+    is then no reason to refuse the start."""
+    from attnres.serving.model import check_before_allocating
+    from modeling_attnres import AttnResConfig
+
+    path = checkpoints("plugin-checks", seed=3)
+    smaller = AttnResConfig.from_pretrained(path, vocab_size=AttnResConfig.from_pretrained(path).vocab_size - 4)
+    skipped = model_config("org/elsewhere", path, smaller)
+    skipped.skip_tokenizer_init = True
+    check_before_allocating(skipped, smaller)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
