@@ -220,6 +220,17 @@ def start_servers(args, paths: dict[str, Path], compilation: str, order: list[st
     return servers
 
 
+def check_measured(results: dict[str, dict], where: str) -> None:
+    """Refuse a run whose time metric is not positive: a median TPOT of 0 means a request's tokens all
+    reached the client in one chunk (a starved machine), and a ratio of it would print as 0.000."""
+    for name, result in results.items():
+        for metric, key in METRICS.items():
+            if not result[key] > 0:
+                raise RuntimeError(f"{where}: {name}'s {metric} is {result[key]!r}, not measured (the server sent "
+                                   "every token of a request at once?); rerun on an idle machine or raise "
+                                   "--output-len")
+
+
 def measure(args, servers: dict, paths: dict[str, Path], compilation: str, plan: dict,
             out_dir: Path) -> tuple[dict, list]:
     """For the servers of one start order (`plan`, from `start_plans`): per concurrency level, one
@@ -233,6 +244,7 @@ def measure(args, servers: dict, paths: dict[str, Path], compilation: str, plan:
             for name in orders[-1]:
                 results[name] = client(args, servers[name], paths[RUNNERS[name]], c, plan["seed"] + repeat, out_dir,
                                        f"{compilation}-{plan['label']}-r{repeat}-c{c}-{name}")
+            check_measured(results, f"{compilation}, {plan['label']} start order, round {repeat}, concurrency {c}")
             check_equal_work({n: (r["total_input_tokens"], r["total_output_tokens"]) for n, r in results.items()},
                              f"{compilation}, {plan['label']} start order, round {repeat}, concurrency {c}")
             if repeat:

@@ -391,7 +391,7 @@ def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with
     vllm-c` every server's processes load the plugin that registers vLLM's C++ norms (a server whose plugin
     fails does not start)."""
     out = run("bench_serve.py", *TINY, "--compilations", "eager", "--concurrency", "2", "--num-prompts", "2",
-              "--input-len", "16", "--output-len", "4", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
+              "--input-len", "16", "--output-len", "16", "--dtype", "float32", "--kv-cache-bytes", str(64 << 20),
               "--repeats", "1", "--start-order", "reverse", "--norms", "vllm-c", "--settle", "0.5", timeout=840)
     assert_header(out, "--no-enable-prefix-caching", "vllm bench serve (in this process)",
                   "servers up together, started in reverse (llama-aa, llama, attnres) order; 1 timed rounds in all "
@@ -400,7 +400,7 @@ def test_bench_serve_measures_three_servers_up_together_in_a_rotating_order_with
                   "vLLM's C++ rms_norm")
     (rows,) = tables(out)
     (row,) = rows
-    assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 4", row
+    assert row["clients"] == "2" and column(row, "requests x tokens") == "2 x 16 / 16", row
     assert row["rounds"] == "1", row
     for name in ("duration", "median TTFT", "median TPOT"):
         spread(row[f"{name}: AttnRes / Llama (median, min-max)"]), spread(row[f"{name}: A/A"])
@@ -826,7 +826,8 @@ def test_bench_serve_rounds_share_fresh_prompts_leave_out_the_warm_up_and_put_th
 
     def fake_client(args, server, tokenizer, concurrency, seed, out_dir, name):
         calls.append((server, seed))
-        return {"seed": seed, "total_input_tokens": 8, "total_output_tokens": 4 + bad.get(server, 0)}
+        return {"seed": seed, "total_input_tokens": 8, "total_output_tokens": 4 + bad.get(server, 0),
+                **dict.fromkeys(bench_serve.METRICS.values(), 1.0)}
 
     monkeypatch.setattr(bench_serve, "client", fake_client)
     args = argparse.Namespace(concurrency=[1])
@@ -839,6 +840,11 @@ def test_bench_serve_rounds_share_fresh_prompts_leave_out_the_warm_up_and_put_th
     bad["llama-aa"] = 1
     with pytest.raises(common.UnequalWork, match="reverse start order, round 0"):
         bench_serve.measure(args, servers, paths, "eager", plan, Path("unused"))
+    timed = {name: {"median_tpot_ms": 2.0, "median_ttft_ms": 5.0, "duration": 1.0} for name in servers}
+    bench_serve.check_measured(timed, "here")
+    timed["attnres"]["median_tpot_ms"] = 0.0                      # every token in one chunk: no TPOT
+    with pytest.raises(RuntimeError, match="here: attnres's TPOT is 0.0, not measured"):
+        bench_serve.check_measured(timed, "here")
 
     results = [{name: {**dict.fromkeys(bench_serve.METRICS.values(), s), "output_throughput": 1.0,
                        "total_input_tokens": 8, "total_output_tokens": 4}
