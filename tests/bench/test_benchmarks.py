@@ -710,7 +710,12 @@ def test_bench_transformers_models_share_fresh_prompts_count_tokens_and_fuse_bot
     its A/A control alike, never AttnRes."""
     import bench_transformers
 
+    from modeling_attnres import depth_attention_cpu
+
     monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
+    # time_mode turns the kernel off when it ends: this worker's later tests must find it as it was.
+    for name in ("_enabled", "_in_graphs"):
+        monkeypatch.setattr(depth_attention_cpu, name, getattr(depth_attention_cpu, name))
     args = argparse.Namespace(prefill_tokens=6, prompt_tokens=3, new_tokens=2, decode_batches=[2], repeats=2, seed=0,
                               vocab_size=50, device="cpu")
     log: list = []
@@ -885,7 +890,6 @@ def test_profile_step_profiles_the_models_in_rotating_order_on_fresh_shared_prom
     import profile_step
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "enable_kernel_profile", False)        # main sets it: restored
     models = {kind: SimpleNamespace(name=kind, config=SimpleNamespace(vocab_size=50)) for kind in profile_step.MODELS}
     monkeypatch.setattr(profile_step, "build_models", lambda args, dtype: models)
     monkeypatch.setattr(profile_step, "generate_fn", lambda model, mode, new, device: lambda ids: model.name)
@@ -896,7 +900,9 @@ def test_profile_step_profiles_the_models_in_rotating_order_on_fresh_shared_prom
         return dict.fromkeys((*profile_step.PARTS, profile_step.OUTSIDE, "whole call"), 1.0)
 
     monkeypatch.setattr(profile_step, "profiled_step_ms", fake_profiled_step_ms)
-    profile_step.main([*TINY, "--repeats", "6"])
+    # main sets it; `patch` restores it (monkeypatch's undo would hide the option from Inductor for good).
+    with inductor_config.patch({"cpp.enable_kernel_profile": False}):
+        profile_step.main([*TINY, "--repeats", "6"])
     groups = [profiled[3 * r: 3 * r + 3] for r in range(6)]
     assert [[kind for kind, _ in group] for group in groups] == [common.rotation(list(profile_step.MODELS), r)
                                                                  for r in range(6)]
