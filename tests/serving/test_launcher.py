@@ -3,6 +3,7 @@
 and stays, named, after a failure. The real server's start and stop: test_server.py and
 test_server_robustness.py."""
 
+import contextlib
 import os
 import signal
 import sys
@@ -86,20 +87,24 @@ def test_a_log_path_given_is_the_callers_and_stays(stand_in):
     assert "stand-in: serving" in given.read_text()
 
 
+@contextlib.contextmanager
+def group_killed_afterwards(server: ServerProcess):
+    """`(server, its process group)`; whatever the test found, nothing of the group outlives it."""
+    pgid = server.proc.pid
+    try:
+        yield server, pgid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(60)
 def test_stop_kills_what_outlives_the_server_in_its_group(stand_in):
     """The server exits on SIGTERM but a process of its group does not: `stop()` reports it and kills it."""
-    server = ServerProcess(["--orphan"], startup_timeout=30).start()
-    pgid = server.proc.pid
-    try:
+    with group_killed_afterwards(ServerProcess(["--orphan"], startup_timeout=30).start()) as (server, pgid):
         shutdown = server.stop(grace=2)
         assert shutdown.returncode is not None and shutdown.survivors and not shutdown.graceful, shutdown
         assert launcher.group_members(pgid) == []
-    finally:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.timeout(60)
@@ -127,14 +132,7 @@ def test_sigterm_goes_to_the_server_alone(stand_in):
     """`stop()` sends SIGTERM to the server process only (`kill PID`, as a service manager stops it): a worker
     that the server's own shutdown leaves behind is reported and then killed, so the SIGTERM tests of the real
     server tell whether attnres-serve ends its engine processes itself."""
-    server = ServerProcess(["--worker"], startup_timeout=30).start()
-    pgid = server.proc.pid
-    try:
+    with group_killed_afterwards(ServerProcess(["--worker"], startup_timeout=30).start()) as (server, pgid):
         shutdown = server.stop(grace=2)
         assert len(shutdown.survivors) == 1 and not shutdown.graceful, shutdown
         assert launcher.group_members(pgid) == []
-    finally:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
