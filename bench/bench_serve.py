@@ -313,14 +313,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    rows, startups, orders = [], {}, {}
+    rows, startups, orders, plans = [], {}, {}, start_plans(args)
     with tempfile.TemporaryDirectory(prefix="attnres-bench-serve-") as tmp:
         root = Path(tmp)
         args.max_positions = args.input_len + args.output_len + 16
         paths = write_models(args, root)
         for compilation in args.compilations:
             pooled = {c: [] for c in args.concurrency}
-            for plan in start_plans(args):
+            for plan in plans:
                 with ExitStack() as stack:
                     servers = start_servers(args, paths, compilation, plan["order"], root, stack)
                     startups[compilation, plan["label"]] = {n: s.startup_seconds for n, s in servers.items()}
@@ -337,9 +337,9 @@ def main(argv=None) -> None:
                 "norms": NORMS[args.norms],
                 "order": "AttnRes, Llama, Llama (A/A) servers up together, started in "
                          + " order, then restarted in ".join(f"{p['label']} ({', '.join(p['order'])})"
-                                                             for p in start_plans(args))
+                                                             for p in plans)
                          + f" order; {args.repeats} timed rounds in all ("
-                         + ", ".join(f"{p['repeats']} {p['label']}" for p in start_plans(args))
+                         + ", ".join(f"{p['repeats']} {p['label']}" for p in plans)
                          + "), each start order's after one untimed, the three measured one after the other in a "
                          f"rotating order ({order_note(args)}), {args.settle:g} s apart"}
     print(header(f"attnres-serve under vLLM's client, AttnRes / Llama: {describe(args)}", settings) + "\n")
